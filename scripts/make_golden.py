@@ -102,6 +102,13 @@ Writes under tests/fixtures/models/:
   tiny-qwen3-vl-moe/ Qwen3VLMoeForConditionalGeneration: 4 experts top-2, stacked as the Hub ships them (x @ W:
                 gate|up [E, D, 2F], down [E, F, D]), bfloat16
   tiny-qwen3-vl-moe.gguf  llama.cpp's qwen3vlmoe (ffn_*_exps); golden = tiny-qwen3-vl-moe's
+  tiny-cohere/  CohereForCausalLM (Command R): LayerNorms without a bias, the attention and the MLP in parallel from one
+                norm, RoPE in interleaved pairs, per-head q/k norms (a weight a head), the logits times 0.8, tied,
+                bfloat16
+  tiny-cohere.gguf  llama.cpp's command-r (unpermuted, attn_q_norm [hd, heads], logit_scale); golden = tiny-cohere's
+  tiny-cohere2/ Cohere2ForCausalLM (Command R7B): Cohere's layers without q/k norms, 3 sliding layers (window 8) with
+                RoPE then a global one without, the logits times 0.75, tied, bfloat16
+  tiny-cohere2.gguf  llama.cpp's cohere2 (its fixed 3-to-1 pattern); golden = tiny-cohere2's
   tiny-llama-lora/  a PEFT LoRA adapter of tiny-llama (rank 4 on q, v, o, down); its golden.npz: transformers + PEFT
   tiny-glm4-moe-lite-lora/  the same on tiny-glm4-moe-lite's latent attention (q_a, q_b, kv_a, kv_b, o)
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
@@ -132,6 +139,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Cohere2Config,
+    CohereConfig,
     DeepseekV2Config,
     DeepseekV3Config,
     Dots1Config,
@@ -396,6 +405,15 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
                                    moe_intermediate_size=32, moe_num_experts=8, moe_k=2, moe_num_shared_experts=2,
                                    moe_layer_start_index=1, moe_layer_interval=2, moe_layer_end_index=-1,
                                    tie_word_embeddings=False, rope_theta=10000.0, use_bias=False, pad_token_id=None)
+    # Cohere: LayerNorms, parallel blocks, interleaved RoPE, per-head q/k norms, scaled logits (0.8, not Command R's
+    # 0.0625: the tiny logits would lose their spread); Cohere2: 3 sliding layers with RoPE to 1 global without
+    layer_normed = {k: v for k, v in common.items() if k != "rms_norm_eps"}
+    cohere = CohereConfig(**layer_normed, num_hidden_layers=2, intermediate_size=128, layer_norm_eps=1e-5,
+                          logit_scale=0.8, use_qk_norm=True, tie_word_embeddings=True, rope_theta=10000.0,
+                          pad_token_id=None)
+    cohere2 = Cohere2Config(**layer_normed, num_hidden_layers=4, intermediate_size=128, layer_norm_eps=1e-5,
+                            logit_scale=0.75, sliding_window=8, tie_word_embeddings=True, rope_theta=10000.0,
+                            pad_token_id=None)
     # Qwen3-VL: Qwen3's language model (interleaved multimodal RoPE) beside a one-block vision tower; its MoE's experts
     # 96 wide (gate|up 192, neither the hidden 64: the two layouts of stacked experts are told apart by shape)
     vl_text = dict(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16, rope_parameters={
@@ -532,6 +550,8 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-glm4-moe-lite": (glm4_moe_lite, _saved(torch.bfloat16, classic=False, seed=38)),
         "tiny-minimax-m2": (minimax_m2, _saved(torch.bfloat16, seed=39)),
         "tiny-dots1": (dots1, _saved(torch.bfloat16, seed=43)),
+        "tiny-cohere": (cohere, _saved(torch.bfloat16, seed=44)),
+        "tiny-cohere2": (cohere2, _saved(torch.bfloat16, seed=45)),
     }
 
 
@@ -811,7 +831,10 @@ def _gguf_writer(dst: Path, arch: str, name: str, cfg: dict[str, Any], tok: Toke
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if "rms_norm_eps" in cfg:
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    else:  # a LayerNorm's (Cohere's)
+        w.add_layer_norm_eps(cfg["layer_norm_eps"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     w.add_vocab_size(cfg["vocab_size"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -989,6 +1012,20 @@ def write_qwen3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
             w.add_rope_scaling_factor(scaling["factor"])
             w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
     return _write_dense(src, dst, tok, "qwen3", PRE_NORMS, configure=yarn)
+
+
+def write_cohere_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-cohere or tiny-cohere2 as llama.cpp's CommandR2Model / Cohere2Model writes it: unpermuted Q/K (llama.cpp
+    turns interleaved pairs as HF does), attn_norm the one norm, command-r's attn_q_norm / attn_k_norm as [heads, hd],
+    logit_scale and attention.layer_norm_epsilon; cohere2's window (its 3-to-1 pattern is llama.cpp's rule)."""
+    cohere2 = src.name == "tiny-cohere2"
+
+    def configure(w: Any, cfg: dict[str, Any]) -> None:
+        w.add_logit_scale(cfg["logit_scale"])
+        if cohere2:
+            w.add_sliding_window(cfg["sliding_window"])
+    return _write_dense(src, dst, tok, "cohere2" if cohere2 else "command-r", {"input_layernorm": "attn_norm"},
+                        configure=configure)
 
 
 # HF norm -> llama.cpp tensor, by where an architecture puts its norms
@@ -2079,7 +2116,8 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-glm4-moe-lite": write_deepseek2_gguf,
               "tiny-ernie4_5-moe": write_ernie4_5_moe_gguf, "tiny-qwen3-vl": write_qwen3_vl_gguf,
               "tiny-qwen3-vl-moe": write_qwen3_vl_moe_gguf, "tiny-lfm2-moe": write_lfm2_gguf,
-              "tiny-minimax-m2": write_minimax_m2_gguf, "tiny-dots1": write_dots1_gguf}
+              "tiny-minimax-m2": write_minimax_m2_gguf, "tiny-dots1": write_dots1_gguf,
+              "tiny-cohere": write_cohere_gguf, "tiny-cohere2": write_cohere_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 INT_REFERENCES = "int-references.npz"  # compressed-tensors' layouts without a twin (write_int_references)
 # twin -> (base, writer): directories derived from a tiny model's

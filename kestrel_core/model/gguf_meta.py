@@ -32,6 +32,8 @@ MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "qwen3vlm
                      "llama": "mixtral"}
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 EXAONE4_SWA_PATTERN = 4  # llama.cpp's: every 4th EXAONE 4 layer is global (the file does not say)
+COHERE2_SWA_PATTERN = 4  # llama.cpp's: every 4th cohere2 layer is global, without RoPE (the file does not say)
+COHERE_ARCHITECTURES = {"command-r": "cohere", "cohere2": "cohere2"}  # llama.cpp's names -> kestrel's
 SMOLLM3_NOPE_STEP = 4  # llama.cpp's: every 4th layer of SmolLM3 has no RoPE (the file does not say)
 GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's: every 2nd (Gemma 2), 6th (Gemma 3) layer is global
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales their queries by 1/sqrt(hidden / heads)
@@ -266,6 +268,8 @@ class GGUFMetadata:
                     "nope_layers": tuple(i for i, t in enumerate(types) if window and t == "full")}
         if arch == "granite":
             return self._granite_multipliers(arch)
+        if arch in COHERE_ARCHITECTURES:
+            return self._cohere_fields(arch, layers)
         experts = self.int_field(f"{arch}.expert_count", 0, lo=0) or 0
         if arch in HYBRID_ARCHITECTURES:
             return self._hybrid_fields(arch, layers, experts)
@@ -316,6 +320,26 @@ class GGUFMetadata:
         return {"arch": MOE_ARCHITECTURES[arch], "num_experts": experts,
                 "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
                 "expert_intermediate_size": ff, "norm_topk_prob": norm, "shared_expert_intermediate_size": shared}
+
+    def _cohere_fields(self, arch: str, layers: int) -> dict[str, Any]:
+        """Cohere's, as llama.cpp runs command-r and cohere2: LayerNorms (``attention.layer_norm_epsilon``), the
+        attention and the MLP in parallel from one norm, RoPE in interleaved pairs on unpermuted rows (llama.cpp's
+        NORM rope), the logits times ``logit_scale``; command-r's per-head q/k norms where the file has them; cohere2's
+        ``attention.sliding_window`` on three layers of four, the fourth full and without RoPE (without a window no
+        layer slides or turns)."""
+        out: dict[str, Any] = {
+            "arch": COHERE_ARCHITECTURES[arch], "norm_type": "layer", "parallel_block": True, "rope_interleaved": True,
+            "rms_norm_eps": self.float_field(f"{arch}.attention.layer_norm_epsilon", 1e-5),
+            "logits_scaling": 1 / self.float_field(f"{arch}.logit_scale", 1.0)}
+        if arch == "command-r":
+            qk = "layers.0.q_norm" in self._tensors
+            return {**out, "qk_norm": qk, "qk_norm_heads": qk}
+        window = self.int_field(f"{arch}.attention.sliding_window", 0, lo=0)
+        if not window:
+            return {**out, "nope_layers": tuple(range(layers))}
+        types = tuple("sliding" if (i + 1) % COHERE2_SWA_PATTERN else "full" for i in range(layers))
+        return {**out, "layer_types": types, "sliding_window": window,
+                "nope_layers": tuple(i for i, t in enumerate(types) if t == "full")}
 
     def _sigmoid_router_fields(self, arch: str, layers: int, experts: int, model: str) -> dict[str, Any]:
         """The experts of llama.cpp's sigmoid-routed files (LFM2-MoE, GLM-4.5, MiniMax-M2):

@@ -1,6 +1,7 @@
 """Read a GGUF file (GGUF_ARCHITECTURES: llama incl. Mixtral, qwen2, qwen3 and Qwen3-VL's, phi3, gemma 2 and 3, the
 mixtures of experts, gpt-oss, smollm3, granite, olmo2 (OLMo 3's too), exaone4, seed_oss, glm4 and glm4moe, ernie4_5
-and its MoE, qwen35, qwen35moe, qwen3next, lfm2 and lfm2moe, granitehybrid, mistral3, deepseek2, minimax-m2, dots1;
+and its MoE, qwen35, qwen35moe, qwen3next, lfm2 and lfm2moe, granitehybrid, mistral3, deepseek2, minimax-m2, dots1,
+command-r and cohere2;
 one file, or the parts of a split one) as a TensorSource: dequantized float32, HF layout; the experts of a stacked
 ``ffn_*_exps`` tensor are read one slice at a time. Its metadata: model/gguf_meta.py.
 
@@ -36,7 +37,7 @@ from kestrel_core.model.weights import expert_field
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
                       "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe",
                       "qwen3next", "lfm2", "granitehybrid", "glm4moe", "ernie4_5-moe", "qwen3vl", "qwen3vlmoe",
-                      "lfm2moe", "mistral3", "deepseek2", "minimax-m2", "dots1")
+                      "lfm2moe", "mistral3", "deepseek2", "minimax-m2", "dots1", "command-r", "cohere2")
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's and Ministral 3's converters are llama's
 PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite", "granitemoehybrid", "ministral3")
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each; glm4's
@@ -143,9 +144,11 @@ def tensor_parts(gguf_name: str, arch: str, c: ModelConfig) -> list[tuple[str, t
 def hf_layout(w: np.ndarray, name: str, c: ModelConfig, permuted: bool, tiled: bool) -> np.ndarray:
     """The tensor ``name`` as llama.cpp's converter writes it (``w``, dequantized) in Hugging Face's layout, which
     kestrel runs: Q and K rows un-permuted where the converter permutes them (``permuted``), a linear attention's
-    value heads grouped by key head again where it tiles them (``tiled``: Qwen3.5's), vectors stored [N, 1] flat."""
+    value heads grouped by key head again where it tiles them (``tiled``: Qwen3.5's), vectors stored [N, 1] (and
+    per-head norm weights [heads, hd]) flat."""
     field = name.rsplit(".", 1)[-1]
-    if (field in _FLAT and c.arch == "granitemoehybrid") or field == "router_choice_bias":
+    if ((field in _FLAT and c.arch == "granitemoehybrid") or field == "router_choice_bias"
+            or (c.qk_norm_heads and field in ("q_norm", "k_norm"))):  # command-r's [heads, hd]
         w = w.reshape(-1)
     if tiled and field in _TILED_VALUE_HEADS and c.is_linear(int(name.split(".")[1])):
         axis, head = _TILED_VALUE_HEADS[field]
@@ -354,7 +357,6 @@ class GGUFCheckpoint(GGUFMetadata):
                 or extra.get("expert_intermediate_size"),
                 num_layers=layers,
                 num_heads=heads,
-                rms_norm_eps=self.float_field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
                 rope_theta=theta,
                 rope_scaling=scaling,
                 max_position=self.int_field(f"{arch}.context_length", 4096),
@@ -363,6 +365,7 @@ class GGUFCheckpoint(GGUFMetadata):
                 eos_token_ids=end_of_generation(self.tokenizer_fields(), str(self.path)),
                 sampling=self._sampling(),
                 **{"num_kv_heads": self._kv_heads(arch) or heads, "head_dim": head_dim,
+                   "rms_norm_eps": self.float_field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
                    "rotary_dim": None if rotary_dim == head_dim else rotary_dim,
                    "qkv_bias": arch in ("qwen2", "qwen2moe"),
                    "qk_norm": arch in ("qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe", "gemma3"),

@@ -69,7 +69,7 @@ class _Pre:
 PRE = {
     "default": _Pre(_DEFAULT_SPLITS),
     **dict.fromkeys(("gpt2", "gpt-2", "phi-2", "exaone4"), _Pre()),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell"), _Pre(digits=True)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "command-r"), _Pre(digits=True)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _Pre((_QWEN2_SPLIT,), nfc=True)),
     "qwen35": _Pre((_QWEN35_SPLIT,)),  # no NFC: its combining marks are tokens of their own
     **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "lfm2", "falcon3", "pixtral"),

@@ -203,7 +203,8 @@ def tensor_parts(hf_name: str, c: ModelConfig) -> list[tuple[str, Rows | None]]:
 def kestrel_form(name: str, t: np.ndarray, c: ModelConfig, where: str) -> np.ndarray:
     """A Hugging Face tensor (float) as kestrel holds the tensor ``name``: Gemma's norms as the factor they multiply
     by, 1 + weight in float32 (its RMSNorm's ``1.0 + self.weight.float()``); a depthwise convolution [C, kernel]; a
-    decay stored as A_log as the -exp(A_log) the model runs (GGUF's ssm_a); a router's choice bias flat."""
+    decay stored as A_log as the -exp(A_log) the model runs (GGUF's ssm_a); a router's choice bias, and q/k norms with
+    a weight a head, flat."""
     field = name.rsplit(".", 1)[-1]
     if c.arch in ONE_PLUS_NORMS and field in GEMMA_NORMS:
         return np.float32(1) + t.astype(np.float32)
@@ -213,7 +214,7 @@ def kestrel_form(name: str, t: np.ndarray, c: ModelConfig, where: str) -> np.nda
         return t.reshape(t.shape[0], -1)
     if field in ("lin_decay", "ssm_a"):
         return -np.exp(t.astype(np.float32))
-    if field == "router_choice_bias":
+    if field == "router_choice_bias" or (c.qk_norm_heads and field in ("q_norm", "k_norm")):  # Cohere's [heads, hd]
         return t.reshape(-1)
     return t
 

@@ -21,6 +21,7 @@ from kestrel_core.model.config import (
     yarn_mscale,
 )
 from kestrel_core.model.validate import (
+    MAX_POSITION,
     ValidationError,
     check_bool,
     check_float,
@@ -50,7 +51,7 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Glm4MoeForCausalLM": "glm4_moe", "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                     "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                     "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "MiniMaxM2ForCausalLM": "minimax_m2",
-                    "Dots1ForCausalLM": "dots1",
+                    "Dots1ForCausalLM": "dots1", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
                     # Qwen3-VL's language models are Qwen3's and Qwen3-MoE's (_TEXT_CONFIGS names them so)
                     "Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
@@ -62,7 +63,7 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
                "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
                "qwen3_next": "qwen3_next", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe", "minimax_m2": "minimax_m2",
-               "dots1": "dots1",
+               "dots1": "dots1", "cohere": "cohere", "cohere2": "cohere2",
                "granitemoehybrid": "granitemoehybrid",
                "glm4_moe": "glm4_moe", "ernie4_5_moe": "ernie4_5_moe", "qwen3_vl": "qwen3_vl",
                "qwen3_vl_moe": "qwen3_vl_moe", "ministral3": "ministral3", "mistral3": "mistral3",
@@ -86,8 +87,10 @@ QWEN3_VL_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embedd
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma2Config's defaults
 POST_NORMED = ("olmo2", "olmo3", "exaone4")
 # architectures whose transformers config ties the output head to the embeddings where config.json does not say
-TIED_BY_DEFAULT = ("gemma2", "gemma3", "smollm3", "ernie4_5", "ernie4_5_moe", "lfm2", "lfm2_moe")
+TIED_BY_DEFAULT = ("gemma2", "gemma3", "smollm3", "ernie4_5", "ernie4_5_moe", "lfm2", "lfm2_moe", "cohere", "cohere2")
+COHERE_ARCHITECTURES = ("cohere", "cohere2")  # LayerNorms, parallel blocks, interleaved RoPE, scaled logits
 MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # multi-head latent attention
+ROPE_THETAS = {"gpt_oss": 150000.0, "cohere": 500000.0}  # transformers' default RoPE base where not 10000
 # transformers' GptOssConfig default RoPE, for a config.json without one
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
@@ -103,7 +106,8 @@ LLAMA_CPP_ARCHITECTURES = {
     "qwen3_next": "qwen3next", "lfm2": "lfm2", "lfm2_moe": "lfm2moe", "granitemoehybrid": "granitehybrid",
     "glm4_moe": "glm4moe", "ernie4_5_moe": "ernie4_5-moe", "ministral3": "mistral3", "mistral3": "mistral3",
     "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe_lite": "deepseek2",
-    "minimax_m2": "minimax-m2", "dots1": "dots1", "qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe"}
+    "minimax_m2": "minimax-m2", "dots1": "dots1", "qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe",
+    "cohere": "command-r", "cohere2": "cohere2"}
 
 
 def _ids(value: Any) -> list[int]:
@@ -260,6 +264,33 @@ def _exaone4_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     if not is_int(pattern) or pattern < 1:
         raise KestrelError(f"{where}: sliding_window_pattern must be a number of layers or a pattern like 'LLLG'")
     types = _layer_types(cfg, where, pattern)
+    return {**out, "layer_types": types, "sliding_window": window,
+            "nope_layers": tuple(i for i, t in enumerate(types) if t == "full")}
+
+
+def _cohere_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Cohere's, as transformers' CohereForCausalLM and Cohere2ForCausalLM run them: LayerNorms without a bias
+    (``layer_norm_eps``), the attention and the MLP in parallel from one norm, RoPE in interleaved pairs, the logits
+    times ``logit_scale``. Command R: the context ``model_max_length`` where config.json has one (as llama.cpp
+    reads it: the model was trained past its max_position_embeddings), per-head q/k norms with a weight a head where
+    ``use_qk_norm``. Cohere2: ``head_dim`` is hidden / heads, sliding layers (``layer_types``, else every
+    ``sliding_window_pattern``-th layer full) with RoPE and full ones without; with no ``sliding_window``, no layer
+    slides or turns."""
+    out: dict[str, Any] = {
+        "norm_type": "layer", "parallel_block": True, "rope_interleaved": True,
+        "rms_norm_eps": check_float("layer_norm_eps", cfg.get("layer_norm_eps", 1e-5), 0.0, 1.0, lo_open=True),
+        "logits_scaling": 1 / check_float("logit_scale", cfg.get("logit_scale", 0.0625), 0.0, lo_open=True)}
+    layers = cfg["num_hidden_layers"]
+    if arch == "cohere":
+        qk = check_bool("use_qk_norm", cfg.get("use_qk_norm", False))
+        if cfg.get("model_max_length") is not None:
+            out["max_position"] = check_int("model_max_length", cfg["model_max_length"], 1, MAX_POSITION)
+        return {**out, "qk_norm": qk, "qk_norm_heads": qk}
+    out["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    window = cfg.get("sliding_window", 4096)
+    if window is None:
+        return {**out, "nope_layers": tuple(range(layers))}
+    types = _layer_types(cfg, where, check_int("sliding_window_pattern", cfg.get("sliding_window_pattern", 4), 1))
     return {**out, "layer_types": types, "sliding_window": window,
             "nope_layers": tuple(i for i, t in enumerate(types) if t == "full")}
 
@@ -425,7 +456,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     if cfg.get("mlp_bias"):
         raise KestrelError(f"{where}: mlp_bias is not supported")
     if arch in ("llama", "smollm3", "granite", "granitemoehybrid", *POST_NORMED, "gemma2", "gemma3", "qwen3",
-                "qwen3_moe", "dots1") and cfg.get("attention_bias"):
+                "qwen3_moe", "dots1", *COHERE_ARCHITECTURES) and cfg.get("attention_bias"):
         raise KestrelError(f"{where}: {arch} attention_bias (with an o_proj bias) is not supported")
     if cfg.get("is_causal") is False:
         raise KestrelError(f"{where}: is_causal false (bidirectional attention) is not supported")
@@ -447,7 +478,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             if extra not in eos:
                 eos.append(extra)
         fields: dict[str, Any] = {
-            "rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", 150000.0 if arch == "gpt_oss" else 1e4))),
+            "rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", ROPE_THETAS.get(arch, 1e4)))),
             "rope_scaling": None if arch in GEMMA_ARCHITECTURES else _rope_scaling(arch, cfg, scaling, where),
             "rotary_dim": _rotary_dim(cfg, int(cfg.get("head_dim") or hidden // heads), where,
                                       {"glm4": 0.5, "glm4_moe": 0.5, "qwen3_5": 0.25, "qwen3_5_moe": 0.25,
@@ -469,6 +500,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             fields.update(_olmo3_fields(cfg, where))
         if arch == "exaone4":
             fields.update(_exaone4_fields(cfg, where))
+        if arch in COHERE_ARCHITECTURES:
+            fields.update(_cohere_fields(arch, cfg, where))
         if arch == "glm4":  # interleaved RoPE pairs, Gemma's four norms, q/k/v biases (gate|up fused: _FUSED_MAP)
             fields.update(rope_interleaved=True, post_norms=True,
                           qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", True)))
@@ -513,9 +546,9 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             **{"num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
-               "head_dim": int(cfg.get("head_dim") or hidden // heads), **fields},
-            rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-6))),  # LFM2: norm_eps
-            max_position=int(cfg.get("max_position_embeddings", 4096)),
+               "head_dim": int(cfg.get("head_dim") or hidden // heads),
+               "rms_norm_eps": float(cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-6))),  # LFM2: norm_eps
+               "max_position": int(cfg.get("max_position_embeddings", 4096)), **fields},
             tie_word_embeddings=_tied(arch, cfg),
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=tuple(eos),

@@ -203,6 +203,8 @@ HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf_config.conf
     "moe_layer_start_index": ("count", False),
     "moe_layer_interval": ("pos", False),
     "num_dense_layers": ("count", False),  # LFM2-MoE's
+    "layer_norm_eps": ("float+", False),  # Cohere's
+    "logit_scale": ("float+", False),
 }
 # the largest value of a field, checked before the per-layer, per-head or per-expert lists it sizes are made
 HF_CONFIG_MAX = {

@@ -120,9 +120,31 @@ def test_config_variants() -> None:
     assert config_from_hf({**base, "architectures": ["LlamaForCausalLM"], "sliding_window": 8}).sliding_window is None
 
 
+def test_cohere_configs_read_as_transformers_reads_them() -> None:
+    """CohereConfig's and Cohere2Config's defaults and rules: layer_norm_eps 1e-5, logit_scale 0.0625 (the logits
+    times it), RoPE base 500000 (Command R's, where config.json has none), q/k norms only with use_qk_norm; Cohere2's
+    head_dim hidden / heads whatever config.json says, every sliding_window_pattern-th layer full and unturned, and
+    without a window no layer sliding or turned. Command R's context is its model_max_length (llama.cpp's)."""
+    base = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4}
+    c = config_from_hf({**base, "architectures": ["CohereForCausalLM"], "model_max_length": 131072})
+    assert (c.norm_type, c.parallel_block, c.rope_interleaved, c.tie_word_embeddings) == ("layer", True, True, True)
+    assert (c.rms_norm_eps, c.logits_scaling, c.rope_theta, c.qk_norm, c.max_position) == (
+        1e-5, 16.0, 500000.0, False, 131072)
+    c = config_from_hf({**base, "architectures": ["CohereForCausalLM"], "use_qk_norm": True, "logit_scale": 0.125})
+    assert (c.qk_norm, c.qk_norm_heads, c.logits_scaling, c.max_position) == (True, True, 8.0, 4096)
+    c = config_from_hf({**base, "architectures": ["Cohere2ForCausalLM"], "head_dim": 32, "sliding_window": 16,
+                        "sliding_window_pattern": 2})
+    assert (c.head_dim, c.layer_types, c.nope_layers) == (16, ("sliding", "full") * 2, (1, 3))
+    c = config_from_hf({**base, "architectures": ["Cohere2ForCausalLM"], "sliding_window": None})
+    assert (c.layer_types, c.sliding_window, c.nope_layers) == ((), None, (0, 1, 2, 3))
+
+
 @pytest.mark.parametrize(("fixture", "key"), [("tiny-gemma2", "tie_word_embeddings"),
                                               ("tiny-smollm3", "tie_word_embeddings"),
-                                              ("tiny-ernie4_5", "tie_word_embeddings"), ("tiny-lfm2", "tie_embedding")])
+                                              ("tiny-ernie4_5", "tie_word_embeddings"), ("tiny-lfm2", "tie_embedding"),
+                                              ("tiny-cohere", "tie_word_embeddings"),
+                                              ("tiny-cohere2", "tie_word_embeddings")])
 def test_a_config_silent_on_ties_ties_as_transformers_does(fixture: str, key: str) -> None:
     """These architectures' transformers configs tie by default (google/gemma-2-27b's config.json does not say;
     LiquidAI's LFM2 configs say tie_embedding), and their checkpoints ship no lm_head."""
@@ -155,6 +177,9 @@ def test_a_config_silent_on_ties_ties_as_transformers_does(fixture: str, key: st
     ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "qwen3 attention_bias"),  # q, k, v and o
     ({"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": True}, "qwen3_moe attention_bias"),
     ({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"architectures": ["CohereForCausalLM"], "attention_bias": True}, "cohere attention_bias"),  # q, k, v and o
+    ({"architectures": ["Cohere2ForCausalLM"], "sliding_window_pattern": 0}, "sliding_window_pattern must be"),
+    ({"architectures": ["CohereForCausalLM"], "model_max_length": 1 << 40}, "model_max_length must be"),
     ({"architectures": ["Qwen3ForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 1e308,
                                                               "original_max_position_embeddings": 32}},
      "yarn rope_scaling.factor must be <= 1024"),

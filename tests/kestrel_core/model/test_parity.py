@@ -188,6 +188,11 @@ CASES = (
     Case("tiny-glm4.gguf", "tiny-glm4", ALL_MODES),  # llama.cpp's glm4: ffn_up = gate|up
     Case("tiny-ernie4_5", "tiny-ernie4_5", ALL_MODES),  # RoPE in interleaved pairs over the whole head
     Case("tiny-ernie4_5.gguf", "tiny-ernie4_5", ALL_MODES),  # llama.cpp's ernie4_5: llama's names, unpermuted
+    # LayerNorms, the attention and the MLP in parallel, RoPE in interleaved pairs, per-head q/k norms, scaled logits
+    Case("tiny-cohere", "tiny-cohere", ALL_MODES),
+    Case("tiny-cohere.gguf", "tiny-cohere", ALL_MODES),  # llama.cpp's command-r: attn_q_norm [hd, heads]
+    Case("tiny-cohere2", "tiny-cohere2", ALL_MODES),  # 3 sliding layers with RoPE to 1 global without
+    Case("tiny-cohere2.gguf", "tiny-cohere2", ALL_MODES),  # llama.cpp's cohere2: its fixed 3-to-1 pattern
     Case("tiny-qwen3_5", "tiny-qwen3_5", ALL_MODES, hybrid=True),  # 3 Gated DeltaNet layers to 1 gated attention
     Case("tiny-qwen3_5.gguf", "tiny-qwen3_5", ALL_MODES, hybrid=True),  # llama.cpp's qwen35: value heads tiled
     Case("tiny-qwen3_5-moe", "tiny-qwen3_5-moe", ALL_MODES, moe=True, hybrid=True),  # 4 experts and a shared one
@@ -350,7 +355,8 @@ def test_phi3_with_gate_and_up_swapped_leaves_the_limits(monkeypatch) -> None:  
                                              ("tiny-gpt-oss-mxfp4", "q8"), ("tiny-glm4", "q8"), ("tiny-qwen3_5", "q8"),
                                              ("tiny-qwen3-next.gguf", "q4"), ("tiny-glm4-moe.gguf", "q8"),
                                              ("tiny-deepseek-v3", "q4"), ("tiny-deepseek-v2.gguf", "q8"),
-                                             ("tiny-qwen3-awq", "q8"), ("tiny-qwen3-moe-w4a16", "q8-g256")])
+                                             ("tiny-qwen3-awq", "q8"), ("tiny-qwen3-moe-w4a16", "q8-g256"),
+                                             ("tiny-cohere", "q4"), ("tiny-cohere2.gguf", "q8")])
 def test_quantized_artifact_gives_the_same_logits(tmp_path: Path, name: str, quant: str) -> None:
     """A .kst artifact written from a checkpoint runs to the very logits of the checkpoint itself."""
     from kestrel_core.model.loader import load_model, write_artifact

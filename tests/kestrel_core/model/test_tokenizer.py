@@ -59,8 +59,11 @@ def _nfc(text: str) -> str:
     return unicodedata.normalize("NFC", text)
 
 
-def test_digits_are_split_one_by_one_for_smollm(fmt) -> None:
-    tk = Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("smollm"), "smollm"))
+@pytest.mark.parametrize("pre", ["smollm", "command-r"])
+def test_digits_are_split_one_by_one_for_smollm(fmt, pre: str) -> None:
+    """SmolLM2's and Cohere's vocabularies (llama.cpp's "smollm" and "command-r": digits alone, then GPT-2's
+    regex)."""
+    tk = Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("smollm"), pre))
     ids = tk.encode("year 2024 and 31415")
     digits = [tk.token(i) for i in ids if any(ch.isdigit() for ch in tk.token(i))]
     assert digits == list("202431415")
