@@ -292,7 +292,8 @@ class Decoder:
 
     def _dense(self, i: int) -> tuple[Any, tuple] | None:
         """Layer ``i`` compiled whole on the CPU backend, with its norms, biases and head norms as float32, where it is
-        a plain attention layer with a SiLU or GELU MLP (what ``_attention`` and ``_mlp`` run for it, the same bits),
+        a plain attention layer (RMSNorms, one q/k norm weight for every head, the MLP after the attention) with a
+        SiLU or GELU MLP (what ``_attention`` and ``_mlp`` run for it, the same bits),
         or its attention alone where the MLP is a mixture of experts; else None, and the layer runs op by op."""
         if i not in self.dense:
             lw, c = self.model.layers[i], self.config
@@ -301,7 +302,7 @@ class Decoder:
             plain = (lw.q is not None and (lw.gate is not None or bool(lw.experts)) and not lw.is_mla
                      and lw.attn_gate is None and lw.attn_norm is not None and lw.mlp_norm is not None
                      and lw.o_bias is None and not c.qk_norm_full and c.activation in ("silu", "gelu_tanh")
-                     and c.norm_type == "rms" and not c.parallel_block
+                     and c.norm_type == "rms" and not c.parallel_block and not c.qk_norm_heads
                      and all(a is None or a.dtype == np.float32 for a in arrays))
             layer = self.offload.host_dense_layer([keys for keys, _ in self.keys[i]], self.strips[i]) if plain else None
             self.dense[i] = None if layer is None else (layer, tuple(

@@ -52,7 +52,8 @@ def unsupported_reason(model: Model) -> str | None:
     GeGLU, scaled embeddings and queries, a RoPE per layer kind, sliding windows) and the mixtures of experts
     Qwen3-MoE, Mixtral and Qwen2-MoE (up to ROUTE_MAX_EXPERTS experts, routed on the device); the others (Gemma
     2's soft caps, gpt-oss, Granite, OLMo 2, EXAONE 4, the latent attention of DeepSeek-V2/V3, MiniMax-M2's
-    whole-projection q/k norms and sigmoid router, dots.llm1's sigmoid router) run through the GEMM hooks."""
+    whole-projection q/k norms and sigmoid router, dots.llm1's sigmoid router, Cohere's LayerNorms and parallel
+    blocks) run through the GEMM hooks."""
     c = model.config
     if c.arch not in DEVICE_ARCHITECTURES:
         return f"architecture {c.arch!r}"
@@ -62,6 +63,8 @@ def unsupported_reason(model: Model) -> str | None:
         return f"activation {c.activation!r}"
     if not c.pre_norms or c.qk_norm_full:
         return "norms only after each block, or q/k norms over the whole projection"
+    if c.norm_type != "rms" or c.parallel_block or c.qk_norm_heads:
+        return "LayerNorms, parallel attention and MLP blocks, or a q/k norm weight a head (Cohere's)"
     if c.is_mla:
         return "multi-head latent attention (DeepSeek-V2/V3's)"
     if c.state_layers or c.attn_output_gate:

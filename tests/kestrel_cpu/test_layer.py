@@ -155,6 +155,22 @@ def test_layers_it_does_not_take_and_prompt_rows_run_op_by_op() -> None:
     assert len(runs) == 2 and all(dec.dense[i] is not None for i in range(2))  # prepared for the decode steps
 
 
+@pytest.mark.parametrize("config", [
+    _config("cohere", norm_type="layer", parallel_block=True, rope_interleaved=True, qk_norm=True, qk_norm_heads=True),
+    _config("llama", qk_norm=True, qk_norm_heads=True)],
+    ids=["Cohere's LayerNorms and parallel blocks", "RMSNorms with a q/k norm weight a head"])
+def test_layers_of_norms_it_does_not_take_run_op_by_op(config: ModelConfig) -> None:
+    """The compiled layer RMS-norms each head by one weight, then runs the MLP after the attention: a layer of other
+    norms, or blocks side by side, runs op by op, to the same bits."""
+    _needs(8)
+    model = synthetic_model(config, "q8", seed=8)
+    fast, slow = _offloads()
+    got, dec, _ = _run(model, fast)
+    assert all(dec.dense[i] is None for i in range(2))
+    for g, w in zip(got, _run(model, slow)[0]):
+        assert _same_bits(g, w)
+
+
 def test_a_layer_that_cannot_compile_runs_op_by_op(monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     _needs(8)

@@ -1,9 +1,9 @@
 """Gemma 2 and 3 and the mixtures of experts on the GPU: Gemma 2 (soft caps), gpt-oss, GLM-4.5 and ERNIE 4.5 MoE
 (routers with a choice bias, dense layers among the experts), the hybrids (Qwen3.5, Qwen3-Next: linear
-attention, and fused groups of four) and multi-head latent attention (DeepSeek-V2/V3) through the GEMM hooks, their
-steps not offered to the device forward (``kestrel_forward_supports``); Gemma 3 and the other mixtures of experts
-through the device forward. Every
-projection (each expert's too) is preloaded and the logits are the CPU's within the measured tolerance.
+attention, and fused groups of four), multi-head latent attention (DeepSeek-V2/V3) and Cohere's decoders (LayerNorms,
+parallel blocks) through the GEMM hooks, their steps not offered to the device forward (``kestrel_forward_supports``);
+Gemma 3 and the other mixtures of experts through the device forward. Every projection (each expert's too) is
+preloaded and the logits are the CPU's within the measured tolerance.
 
 Skipped where CuPy or a CUDA device is missing (CI); run on the H200 machine.
 """
@@ -37,7 +37,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, rea
                                               ("tiny-lfm2-moe.gguf", "hooks"), ("tiny-olmo3.gguf", "hooks"),
                                               ("tiny-ministral3", "hooks"), ("tiny-deepseek-v3", "hooks"),
                                               ("tiny-deepseek-v2.gguf", "hooks"), ("tiny-glm4-moe-lite.gguf", "hooks"),
-                                              ("tiny-minimax-m2.gguf", "hooks"), ("tiny-dots1", "hooks")])
+                                              ("tiny-minimax-m2.gguf", "hooks"), ("tiny-dots1", "hooks"),
+                                              ("tiny-cohere", "hooks"), ("tiny-cohere2.gguf", "hooks")])
 def test_each_architecture_matches_the_cpu(fixture: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_CUDA_MIN_FLOPS", "0")  # the fixtures' GEMMs are below the backend's threshold
     ids = np.load(FIXTURES / fixture.removesuffix(".gguf") / "golden.npz")["ids"]

@@ -260,11 +260,13 @@ def test_a_mixture_of_experts_decoded_with_the_wrong_experts_leaves_the_band() -
                                               ("tiny-gpt-oss", "architecture 'gpt_oss'"),
                                               ("tiny-granite.gguf", "architecture 'granite'"),
                                               ("tiny-olmo2", "architecture 'olmo2'"),
-                                              ("tiny-exaone4.gguf", "architecture 'exaone4'")])
+                                              ("tiny-exaone4.gguf", "architecture 'exaone4'"),
+                                              ("tiny-cohere", "architecture 'cohere'"),
+                                              ("tiny-cohere2.gguf", "architecture 'cohere2'")])
 def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None:
     """Gemma 2 (soft caps), gpt-oss (sinks, biases, its clamped SwiGLU), Granite (its residual and logits
-    multipliers) and OLMo 2 (norms after the blocks) go through the GEMM hooks; the reason names the
-    architecture."""
+    multipliers), OLMo 2 (norms after the blocks) and Cohere's (LayerNorms, parallel blocks, scaled logits) go
+    through the GEMM hooks; the reason names the architecture."""
     from kestrel_core.model.loader import load_model
 
     model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
@@ -275,7 +277,10 @@ def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None
 @pytest.mark.parametrize(("change", "why"), [({"residual_scale": 0.5}, "residual or logits multipliers"),
                                              ({"logits_scaling": 2.0}, "residual or logits multipliers"),
                                              ({"o_bias": True}, "an output projection bias"),
-                                             ({"pre_norms": False, "post_norms": True}, "norms only after each block")])
+                                             ({"pre_norms": False, "post_norms": True}, "norms only after each block"),
+                                             ({"norm_type": "layer"}, "LayerNorms"),
+                                             ({"parallel_block": True}, "parallel"),
+                                             ({"qk_norm": True, "qk_norm_heads": True}, "a q/k norm weight a head")])
 def test_what_a_known_architecture_cannot_carry_is_declined(change: dict, why: str) -> None:
     """A config the device forward has no kernel for is declined by what it holds, whatever its architecture says
     (a hand-made artifact, say)."""

@@ -71,11 +71,11 @@ def test_the_default_model_gives_the_cpus_tokens(npu_backend, activations: str) 
                                      "tiny-granite", "tiny-olmo2.gguf", "tiny-exaone4", "tiny-glm4.gguf",
                                      "tiny-glm4-moe.gguf", "tiny-ernie4_5-moe", "tiny-qwen3-vl-moe",
                                      "tiny-lfm2-moe.gguf", "tiny-deepseek-v3", "tiny-glm4-moe-lite.gguf",
-                                     "tiny-minimax-m2", "tiny-dots1.gguf"])
+                                     "tiny-minimax-m2", "tiny-dots1.gguf", "tiny-cohere", "tiny-cohere2.gguf"])
 def test_windowed_fused_and_expert_architectures_give_the_cpu_logits(npu_backend, fixture: str) -> None:  # noqa: ANN001
-    """Mistral's window, Phi-3's split tensors, Gemma 3's norms, routing and the latent attention's norms are the
-    host's; the simulated NPU's GEMMs over the same artifact (every expert's too) give the CPU's logits bit for
-    bit."""
+    """Mistral's window, Phi-3's split tensors, Gemma 3's and Cohere's norms, routing and the latent attention's
+    norms are the host's; the simulated NPU's GEMMs over the same artifact (every expert's too) give the CPU's logits
+    bit for bit."""
     from pathlib import Path
 
     import kestrel_core
