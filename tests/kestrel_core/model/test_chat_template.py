@@ -95,3 +95,52 @@ def test_a_continued_message_of_parts_ends_after_its_last_text() -> None:
     prefill = {"role": "assistant", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y "}]}
     prompt = continue_final_message(lambda ms: render_chat(template, ms, False), [*PARTS, prefill])
     assert prompt == "[ab][xy "
+
+
+# Command R's template (c4ai-command-r's tokenizer_config.json, its default), with its tool_use template's way of
+# writing each tool as a Python signature (a macro, .items(), loop.index0, |length) in a system turn
+COMMAND_R = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% elif false == true %}{% set loop_messages = messages %}"
+    "{% set system_message = 'You are Command-R.' %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}"
+    "{% macro signature(tool) %}def {{ tool.name }}({% for name, fields in tool.parameter_definitions.items() %}"
+    "{% if loop.index0 > 0 %}, {% endif %}{{ name }}: {% if not fields.required %}"
+    "{{ 'Optional[' + fields.type + '] = None' }}{% else %}{{ fields.type }}{% endif %}{% endfor %}) -> List[Dict]:"
+    "{% endmacro %}"
+    "{% if tools %}{{ '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>## Available Tools' }}"
+    "{% for tool in tools %}{{ '\\n' + signature(tool) }}{% endfor %}{{ '<|END_OF_TURN_TOKEN|>' }}{% endif %}"
+    "{% if system_message != false %}{{ '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>' + system_message + "
+    "'<|END_OF_TURN_TOKEN|>' }}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% set content = message['content'] %}{% if message['role'] == 'user' %}"
+    "{{ '<|START_OF_TURN_TOKEN|><|USER_TOKEN|>' + content.strip() + '<|END_OF_TURN_TOKEN|>' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>'  + content.strip() + '<|END_OF_TURN_TOKEN|>' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{% endif %}"
+)
+SEARCH = {"name": "internet_search", "description": "Search the web",
+          "parameter_definitions": {"query": {"type": "str", "required": True},
+                                    "max_results": {"type": "int", "required": False}}}
+
+
+def test_a_command_r_template_renders_as_transformers_does() -> None:
+    """Command R's template, to the text transformers renders (checked with transformers 5.25): the system turn
+    taken off the messages by a slice, its alternation check by raise_exception, each turn's text stripped, the BOS
+    it writes itself, a tool's signature from a macro."""
+    template = compile_chat_template(COMMAND_R)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi \n"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Search"}]
+    turn = "<|START_OF_TURN_TOKEN|>"
+    assert render_chat(template, chat, True, bos_token="<BOS_TOKEN>") == (
+        f"<BOS_TOKEN>{turn}<|SYSTEM_TOKEN|>Be brief.<|END_OF_TURN_TOKEN|>{turn}<|USER_TOKEN|>Hi<|END_OF_TURN_TOKEN|>"
+        f"{turn}<|CHATBOT_TOKEN|>Hello.<|END_OF_TURN_TOKEN|>{turn}<|USER_TOKEN|>Search<|END_OF_TURN_TOKEN|>"
+        f"{turn}<|CHATBOT_TOKEN|>")
+    tools = render_chat(template, chat[1:2], False, bos_token="", tools=[SEARCH])
+    assert tools.startswith(f"{turn}<|SYSTEM_TOKEN|>## Available Tools\n"
+                            "def internet_search(query: str, max_results: Optional[int] = None) -> List[Dict]:"
+                            "<|END_OF_TURN_TOKEN|>")
+    with pytest.raises(KestrelError, match="Conversation roles must alternate") as info:
+        render_chat(template, chat[2:], True, bos_token="")
+    assert "\n" not in str(info.value)
