@@ -21,10 +21,11 @@ running step ends (EOS, a stop string, an abort) has a row in the next one alrea
 the request's sequence is freed once that step is in.
 
 With ``Engine.speculate`` set, where sequences rewind (``Engine.rewinds``), a greedy request's decode row is
-followed by up to that many tokens guessed from its context (kestrel_core.model.speculate), within the token budget
-every decode row and prompt chunk left; the step keeps each row's argmax while the guesses agree, and the sequence
-is rewound past the first that does not. While a greedy request's context offers a guess, the batch's steps are not
-fed (a guess needs the tokens before it), so they are not the backend's pipelined greedy decode.
+followed by up to that many guessed tokens, within the token budget every decode row and prompt chunk left: from its
+context, or from ``Engine.draft_model`` where one is set (the ``Guesser``, kestrel_core.model.speculate, asked for
+the step's requests together); the step keeps each row's argmax while the guesses agree, and the sequence is rewound
+past the first that does not. While a greedy request may get a guess, the batch's steps are not fed (a guess needs
+the tokens before it), so they are not the backend's pipelined greedy decode.
 
 A ``Scoring`` request (kestrel_core.model.scoring) scores its prompt's tokens instead of generating: its prompt runs
 as a prompt's chunks do, each chunk's logits of every row coming back.
@@ -52,7 +53,7 @@ from kestrel_core.model.request import FINISHED, RUNNING, WAITING, Request, Requ
 from kestrel_core.model.request_queue import FCFS, PRIORITY, RequestQueue, checked_priority, rank
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.scoring import Scoring
-from kestrel_core.model.speculate import PromptLookup
+from kestrel_core.model.speculate import Guesser, LookupGuesser
 from kestrel_core.model.tokenizer import NoTokenizer
 from kestrel_core.model.weights import PREFILL_CHUNK
 
@@ -91,6 +92,7 @@ class Scheduler(LoneDecode):
         self.steps = 0
         self.preemptions = 0
         self.speculate = int(getattr(engine, "speculate", 0))  # draft tokens a greedy step may guess
+        self.guesser: Guesser = getattr(engine, "draft_model", None) or LookupGuesser()
         self.drafted = 0  # draft tokens run
         self.accepted = 0  # draft tokens the model confirmed
         self._ended: list[Request] = []  # requests ended while scheduling, reported by the next step
@@ -262,7 +264,7 @@ class Scheduler(LoneDecode):
                 break
         kept = len(sampled) - 1  # guesses confirmed: the inputs of the rows after them were right
         self.accepted += kept
-        self._lookup(request).checked(kept)
+        self.guesser.checked(request, kept)
         if not request.finished:
             self.engine.rewind(request.seq, len(request.seq.tokens) - (len(draft) - kept))
         return sampled
@@ -382,11 +384,8 @@ class Scheduler(LoneDecode):
                 continue
             work.append(self._chunk(request, n))
             budget -= n
-        for i, (request, _, _) in enumerate(work if guessing else ()):
-            if budget and self._decoding_greedily(request):  # its guesses: from what rows and prompts left
-                self._guess(request, budget)
-                work[i] = self._chunk(request, 1 + len(request.draft))
-                budget -= len(request.draft)
+        if guessing:
+            self._guess(work, budget)
         return work
 
     def _has_room(self, request: Request) -> bool:
@@ -445,34 +444,31 @@ class Scheduler(LoneDecode):
         return request.argmax_only and request.pending == 1 and len(request.seq.tokens) >= len(request.prompt_ids)
 
     def _would_guess(self, request: Request) -> bool:
-        """Whether ``request``'s context offers a guess after its latest token, with room in max_tokens and context."""
+        """Whether the guesser may offer a guess after ``request``'s latest token, with room in max_tokens and
+        context."""
         if not (self.speculate > 0 and self.engine.rewinds and request.seq is not None
                 and self._decoding_greedily(request) and request.params.max_tokens - len(request.output_ids) > 1
                 and len(request.tokens) + 1 < self.engine.config.max_position):
             return False
-        return bool(self._lookup(request).draft(1))
+        return self.guesser.offers(request)
 
-    def _lookup(self, request: Request) -> PromptLookup:
-        """``request``'s prompt lookup, up to date with its tokens."""
-        lookup = request.lookup = request.lookup if request.lookup is not None else PromptLookup()
-        prompt = len(request.prompt_ids)
-        if len(lookup.tokens) < prompt:
-            lookup.extend(request.prompt_ids[len(lookup.tokens):])
-        lookup.extend(request.output_ids[len(lookup.tokens) - prompt:])
-        return lookup
-
-    def _guess(self, request: Request, room: int) -> None:
-        """Draft up to ``speculate`` tokens after ``request``'s next one (``request.draft``), within ``room``
-        more tokens of the step, its ``max_tokens``, the context and the KV blocks free now (a guess never
-        preempts anyone)."""
-        left = min(self.speculate, room, request.params.max_tokens - len(request.output_ids) - 1,
-                   self.engine.config.max_position - len(request.tokens) - 1)
-        if left <= 0:
-            return
-        draft = self._lookup(request).draft(left)
-        if draft and self.pool.reserve(request.seq.cache, len(request.seq.tokens) + 1 + len(draft)):
-            request.draft = draft
-            self.drafted += len(draft)
+    def _guess(self, work: list[tuple[Request, list[int] | None, int]], budget: int) -> None:
+        """Drafts after the next token of each greedy request of ``work`` (``request.draft``, its chunk then
+        carrying them), asked of the guesser together: up to ``speculate`` tokens within its ``max_tokens`` and
+        the context, then, in ``work``'s order, within the ``budget`` of tokens the step has left and the KV
+        blocks free now (a guess never preempts anyone)."""
+        asks = [(i, request, min(self.speculate, budget, request.params.max_tokens - len(request.output_ids) - 1,
+                                 self.engine.config.max_position - len(request.tokens) - 1))
+                for i, (request, _, _) in enumerate(work) if self._decoding_greedily(request)]
+        asks = [(i, request, k) for i, request, k in asks if k > 0]
+        drafts = self.guesser.drafts([(request, k) for _, request, k in asks]) if asks else []
+        for (i, request, _), draft in zip(asks, drafts):
+            draft = draft[:budget]
+            if draft and self.pool.reserve(request.seq.cache, len(request.seq.tokens) + 1 + len(draft)):
+                request.draft = draft
+                self.drafted += len(draft)
+                work[i] = self._chunk(request, 1 + len(draft))
+                budget -= len(draft)
 
     def _grow(self, request: Request, n: int) -> bool:
         """KV blocks for n more tokens of ``request``, preempting the last running requests (the most recently
@@ -492,6 +488,7 @@ class Scheduler(LoneDecode):
 
     def _preempt(self, request: Request) -> None:
         request.stop_device_decode()
+        self.guesser.forget(request)
         self.engine.release(request.seq)
         request.seq = None
         request.status = WAITING
@@ -574,6 +571,7 @@ class Scheduler(LoneDecode):
 
     def _finish(self, request: Request, reason: str) -> None:
         request.stop_device_decode()
+        self.guesser.forget(request)
         if request.seq is not None:
             if self._running_step is not None and any(r is request for r, _, _ in self._running_step[0]):
                 self._held.append(request.seq)  # the running step still uses it

@@ -1,5 +1,6 @@
-"""Draft tokens for speculative decoding by prompt lookup: the text that followed the last time the sequence's
-latest tokens appeared (in its prompt or its answer so far).
+"""Draft tokens for speculative decoding: where they come from (``Guesser``, which the scheduler asks), and prompt
+lookup (``LookupGuesser``): the text that followed the last time the sequence's latest tokens appeared (in its
+prompt or its answer so far). A draft model is the other source (kestrel_core.model.draft_model).
 
 A greedy request's next ``k`` tokens are guessed from its own context (answers that quote, edit or repeat their
 input: code edits, summaries, extraction), run with its next token as one chunk, and kept up to the first guess
@@ -12,6 +13,10 @@ more rows while decode is memory-bound.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kestrel_core.model.request import Request
 
 MAX_NGRAM = 3  # the longest suffix looked up; a longer match is tried first
 # The shortest: a one-token match guessed wrong too often. Default model, CPU, 128-token greedy answers
@@ -63,3 +68,47 @@ class PromptLookup:
             if start is not None:
                 return tokens[start:start + k]
         return []
+
+
+class Guesser:
+    """Where a scheduler's drafts come from (``Scheduler.guesser``). It is asked only for greedy requests that
+    decode, for no more tokens than their max_tokens and the context leave."""
+
+    def offers(self, request: Request) -> bool:
+        """Whether a draft may follow ``request``'s latest token (while it may, its steps are not pipelined)."""
+        raise NotImplementedError
+
+    def drafts(self, asks: Sequence[tuple[Request, int]]) -> list[list[int]]:
+        """Up to ``k`` tokens guessed after each (request, k)'s latest token, one list each ([]: no guess); the
+        first j tokens of a draft are the draft that asking for j gives (the scheduler may keep fewer)."""
+        raise NotImplementedError
+
+    def checked(self, request: Request, kept: int) -> None:
+        """The model confirmed ``kept`` tokens of ``request``'s last draft (its tokens are up to date)."""
+
+    def forget(self, request: Request) -> None:
+        """``request`` ended or was preempted: what it holds here is let go."""
+
+
+class LookupGuesser(Guesser):
+    """Drafts by prompt lookup: each request's ``PromptLookup`` (``Request.lookup``), brought up to date with its
+    tokens when asked; it stays with the request through a preemption (its tokens are the same)."""
+
+    def offers(self, request: Request) -> bool:
+        return bool(self.lookup(request).draft(1))
+
+    def drafts(self, asks: Sequence[tuple[Request, int]]) -> list[list[int]]:
+        return [self.lookup(request).draft(k) for request, k in asks]
+
+    def checked(self, request: Request, kept: int) -> None:
+        self.lookup(request).checked(kept)
+
+    @staticmethod
+    def lookup(request: Request) -> PromptLookup:
+        """``request``'s prompt lookup, up to date with its tokens."""
+        lookup = request.lookup = request.lookup if request.lookup is not None else PromptLookup()
+        prompt = len(request.prompt_ids)
+        if len(lookup.tokens) < prompt:
+            lookup.extend(request.prompt_ids[len(lookup.tokens):])
+        lookup.extend(request.output_ids[len(lookup.tokens) - prompt:])
+        return lookup
