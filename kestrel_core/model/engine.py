@@ -155,9 +155,10 @@ class Engine:
         # draft tokens the model did not confirm can be taken back where it runs the steps
         self.device_rewinds = (not self.steps_on_host and info is not None and tuple(info.api_version) >= (1, 6)
                                and backend.implements("kestrel_forward_batch"))
-        # draft tokens a greedy request's step may guess from its context, where sequences rewind (0: none;
-        # kestrel_core.model.speculate); read by each Scheduler made after it is set
+        # draft tokens a greedy request's step may guess, where sequences rewind (0: none), from its context
+        # (kestrel_core.model.speculate) or by a draft model; both read by each Scheduler made after they are set
         self.speculate = 0
+        self.draft_model: Any = None  # a DraftModel (kestrel_core.model.draft_model); None: prompt lookup
         # what a request's unset sampling fields take (``sampling_params``, the server): the sampling the model
         # recommends (config.sampling); {} ignores it
         self.sampling_defaults: dict[str, float] = dict(model.config.sampling or {})

@@ -59,6 +59,7 @@ class Request:
     _device_tokens: Iterator[int] | None = None  # the backend's pipelined greedy decode, while it runs
     _device_offered: bool = False
     lookup: PromptLookup | None = None  # its tokens' n-grams, for drafts (speculative decoding)
+    draft_seq: Any = None  # its place in a draft model's engine, for drafts (kestrel_core.model.draft_model)
     draft: list[int] = field(default_factory=list)  # the tokens its running step guessed after its next one
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: Exception | None = None  # what ended it alone (its sampling raised)

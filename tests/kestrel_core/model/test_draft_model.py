@@ -1,0 +1,207 @@
+"""Speculative decoding with a draft model: answers token for token the greedy ones, a draft kept in step with
+its requests, its limits, and the vocabularies it is refused for.
+
+The tiny random models share one tokenizer: tiny-llama drafts for tiny-qwen3 (its guesses are mostly wrong), and a
+model drafts for itself (every guess is right, as long as the draft's sequence follows the request's tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import kestrel_core
+from kestrel_core.model.draft_model import DraftModel, attach_draft_model, vocabulary_mismatch
+from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.scheduler import Scheduler
+from kestrel_core.model.tokenizer import NoTokenizer, Tokenizer
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+TARGET = FIXTURES / "tiny-qwen3"
+
+
+def _prompts(engine: kestrel_core.Engine, n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    vocab = engine.config.vocab_size
+    return [rng.integers(3, vocab, int(rng.integers(4, 40))).tolist() for _ in range(n)]
+
+
+def _run(
+    engine: kestrel_core.Engine, speculate: int, requests: list[tuple[list[int], SamplingParams]], max_batch: int = 8
+) -> tuple[list[list[int]], Scheduler]:
+    engine.speculate = speculate
+    scheduler = Scheduler(engine, max_batch=max_batch)
+    added = [scheduler.add(ids, params) for ids, params in requests]
+    while scheduler.has_work:
+        scheduler.step()
+    engine.speculate = 0
+    return [r.output_ids for r in added], scheduler
+
+
+def _all_free(engine: kestrel_core.Engine) -> bool:
+    return engine.pool.free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("draft", ["tiny-llama", "tiny-qwen3"])
+def test_a_batch_with_a_draft_model_gives_the_greedy_answers(draft: str) -> None:
+    with kestrel_core.load(str(TARGET), backend="cpu") as engine:
+        greedy = [(ids, SamplingParams(max_tokens=30, ignore_eos=True)) for ids in _prompts(engine, 5)]
+        sampled = (greedy[0][0], SamplingParams(max_tokens=20, temperature=0.9, seed=3))  # no drafts for it
+        plain, before = _run(engine, 0, [*greedy, sampled])
+        drafter = attach_draft_model(engine, str(FIXTURES / draft))
+        for k in (1, 3, 6):
+            fast, after = _run(engine, k, [*greedy, sampled])
+            assert fast == plain, k
+            assert after.drafted > 0
+            assert _all_free(engine) and _all_free(drafter.engine)
+        if draft == "tiny-qwen3":  # its own draft: every guess right, the answers in fewer steps
+            assert after.accepted == after.drafted and after.steps < before.steps
+
+
+def test_a_model_drafting_for_itself_is_always_right_through_preemptions() -> None:
+    """A KV pool too small for every sequence at once: sequences are preempted, their drafts' sequences freed and
+    caught up again when they resume; a draft's sequence out of step with its request's tokens would guess wrong."""
+    with kestrel_core.load(str(TARGET), backend="cpu", kv_cache_mb=0.15) as engine:
+        requests = [(ids, SamplingParams(max_tokens=40, ignore_eos=True)) for ids in _prompts(engine, 6, seed=2)]
+        plain, before = _run(engine, 0, requests, max_batch=6)
+        drafter = attach_draft_model(engine, str(TARGET))
+        fast, after = _run(engine, 4, requests, max_batch=6)
+        assert fast == plain and after.preemptions > 0
+        assert after.drafted > 0 and after.accepted == after.drafted
+        assert _all_free(engine) and _all_free(drafter.engine)
+
+
+class _CheckedDrafts(DraftModel):
+    """A draft model whose sequences are checked after every draft: the request's tokens, then the guesses the
+    draft ran, and its guesses those a second engine of it gives from the request's tokens read afresh."""
+
+    def __init__(self, engine: kestrel_core.Engine, vocab_size: int, fresh: kestrel_core.Engine) -> None:
+        super().__init__(engine, vocab_size)
+        self.fresh = DraftModel(fresh, vocab_size)
+        self.checked_drafts = 0
+
+    def drafts(self, asks):  # type: ignore[no-untyped-def]
+        guesses = super().drafts(asks)
+        for (request, k), guess in zip(asks, guesses):
+            assert request.draft_seq.seq.tokens == request.tokens + guess[:-1]
+            anew = SimpleNamespace(tokens=request.tokens, prompt_ids=request.prompt_ids, draft_seq=None)
+            assert self.fresh.drafts([(anew, k)]) == [guess]
+            self.fresh.forget(anew)
+            self.checked_drafts += 1
+        return guesses
+
+
+@pytest.mark.parametrize(("kv_cache_mb", "token_budget"), [(None, None), (0.15, None), (None, 8)])
+def test_a_drafts_sequence_follows_its_requests_tokens(kv_cache_mb: float | None, token_budget: int | None) -> None:
+    """A GPTQ checkpoint of tiny-qwen3 guesses most of its tokens, not all: its sequences are rewound past the
+    wrong guesses and catch up on what the target kept, also after steps without drafts (a small token budget that
+    prompts take), and are freed when their requests are preempted (then caught up from the start) or end."""
+    with (
+        kestrel_core.load(str(TARGET), backend="cpu", kv_cache_mb=kv_cache_mb) as engine,
+        kestrel_core.load(str(FIXTURES / "tiny-qwen3-gptq"), backend="cpu") as draft_engine,
+        kestrel_core.load(str(FIXTURES / "tiny-qwen3-gptq"), backend="cpu") as fresh,
+    ):
+        requests = [(ids, SamplingParams(max_tokens=40, ignore_eos=True)) for ids in _prompts(engine, 6, seed=2)]
+        plain, _ = _run(engine, 0, requests, max_batch=6)
+        engine.draft_model = drafter = _CheckedDrafts(draft_engine, engine.config.vocab_size, fresh)
+        engine.speculate = 3
+        scheduler = Scheduler(engine, max_batch=3 if token_budget else 6, token_budget=token_budget)
+        added = [scheduler.add(ids, params) for ids, params in requests]
+        while scheduler.has_work:
+            scheduler.step()
+            assert all(r.draft_seq is None for r in added if r.seq is None)  # waiting again, or ended
+        assert [r.output_ids for r in added] == plain
+        assert drafter.checked_drafts > 0 and 0 < scheduler.accepted < scheduler.drafted
+        assert (scheduler.preemptions > 0) == (kv_cache_mb is not None)
+        assert _all_free(draft_engine)
+
+
+def test_a_drafts_sequence_is_freed_when_its_request_is_aborted() -> None:
+    with kestrel_core.load(str(TARGET), backend="cpu") as engine:
+        drafter = attach_draft_model(engine, str(FIXTURES / "tiny-llama"))
+        engine.speculate = 3
+        scheduler = Scheduler(engine)
+        request = scheduler.add(_prompts(engine, 1)[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        for _ in range(5):
+            scheduler.step()
+        held = drafter.engine.pool.num_blocks - drafter.engine.pool.free_blocks
+        assert held == drafter.engine.pool.blocks_for(len(request.draft_seq.seq.tokens))
+        scheduler.abort(request.request_id)
+        assert request.draft_seq is None and _all_free(drafter.engine)
+        scheduler.close()
+
+
+def test_drafts_stop_at_the_draft_models_context_and_kv_room() -> None:
+    """A draft model of a shorter context, and one whose KV pool holds fewer positions than the requests take:
+    the requests it cannot hold decode without its guesses (a draft run past its context would raise)."""
+    with kestrel_core.load(str(TARGET), backend="cpu") as engine:
+        requests = [(ids, SamplingParams(max_tokens=60, ignore_eos=True)) for ids in _prompts(engine, 3, seed=4)]
+        plain, _ = _run(engine, 0, requests)
+        for options in ({"max_model_len": 48}, {"kv_cache_mb": 0.05}):
+            with kestrel_core.load(str(TARGET), backend="cpu", **options) as draft_engine:
+                drafter = DraftModel(draft_engine, engine.config.vocab_size)
+                engine.draft_model = drafter
+                fast, after = _run(engine, 4, requests)
+                engine.draft_model = None
+                assert fast == plain, options
+                assert 0 < after.drafted and after.accepted == after.drafted
+                ends = [len(ids) + 60 for ids, _ in requests]  # the positions each request ends with
+                pool = draft_engine.pool
+                assert sum(map(pool.blocks_for, ends)) > pool.num_blocks or min(ends) > draft_engine.config.max_position
+                assert _all_free(draft_engine)
+
+
+def _tokenizer(edit=None, eos: str = "<|im_end|>") -> Tokenizer:  # type: ignore[no-untyped-def]
+    data = json.loads((TARGET / "tokenizer.json").read_text())
+    if edit is not None:
+        edit(data)
+    return Tokenizer.from_json_str(json.dumps(data), eos_token=eos)
+
+
+def _swap_parens(data: dict) -> None:
+    vocab = data["model"]["vocab"]
+    vocab["("], vocab[")"] = vocab[")"], vocab["("]
+
+
+def _extra_tokens(n: int):  # type: ignore[no-untyped-def]
+    def edit(data: dict) -> None:
+        first = len(data["model"]["vocab"])
+        data["added_tokens"] += [
+            {
+                "id": first + i,
+                "content": f"<extra_{i}>",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for i in range(n)
+        ]
+
+    return edit
+
+
+def _word_level(data: dict) -> None:
+    data["model"] = {"type": "WordLevel", "vocab": data["model"]["vocab"], "unk_token": "<|endoftext|>"}
+
+
+@pytest.mark.parametrize(
+    ("draft", "reason"),
+    [
+        (_tokenizer(_swap_parens), "its token 10 is ')', the target's '('"),
+        (_tokenizer(eos="<|endoftext|>"), "its eos_token is '<|endoftext|>' (id 0), the target's '<|im_end|>' (id 2)"),
+        (_tokenizer(_extra_tokens(129)), "its vocabulary has 641 tokens, the target's 512 (at most 128 apart)"),
+        (_tokenizer(_word_level), "its vocabulary is WordLevel, the target's BPE"),
+        (NoTokenizer("none shipped", 512), "the draft model has no vocabulary to compare"),
+        (_tokenizer(_extra_tokens(128)), None),  # a padded vocabulary: its ids past the target's are never drafted
+        (_tokenizer(), None),
+    ],
+)
+def test_a_draft_is_compared_with_the_targets_vocabulary(draft: object, reason: str | None) -> None:
+    found = vocabulary_mismatch(_tokenizer(), draft)
+    assert found == reason if reason is None else found is not None and found.startswith(reason)
