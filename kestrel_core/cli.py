@@ -191,10 +191,13 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False, kv_cache_mb: 
 
 
 def _speculate_arg(p: argparse.ArgumentParser) -> None:
-    """Prompt lookup, for the commands that generate (not ``embed``)."""
+    """Prompt lookup or a draft model, for the commands that generate (not ``embed``)."""
     p.add_argument("--speculate", type=int, default=0, metavar="N",
                    help="greedy decoding guesses up to N tokens a step from the context (prompt lookup) and keeps "
                         "what the model confirms: its greedy answer in fewer steps (default: 0, off)")
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="a smaller model of the same vocabulary guesses the --speculate N tokens instead (what --model "
+                        "takes: a Hugging Face directory or Hub name, a .gguf, a .kst), on the same backend")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

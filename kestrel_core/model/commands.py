@@ -46,12 +46,17 @@ def _open_engine(args: argparse.Namespace) -> Engine:
     if getattr(args, "no_model_sampling", False):
         engine.sampling_defaults = {}
     err.print(engine.backend_line, soft_wrap=True)
-    set_speculate(engine, getattr(args, "speculate", 0))
+    try:
+        set_speculate(engine, getattr(args, "speculate", 0), getattr(args, "draft_model", None), args.quant)
+    except BaseException:
+        engine.close()
+        raise
     return engine
 
 
-def set_speculate(engine: Engine, tokens: int) -> None:
-    """``--speculate``: set, with a note where this model and backend decode without guesses."""
+def set_speculate(engine: Engine, tokens: int, draft_model: str | None = None, quant: str | None = None) -> None:
+    """``--speculate``, and ``--draft-model`` (loaded at ``quant`` where the engine guesses at all): set, with a note
+    where this model and backend decode without guesses."""
     engine.speculate = tokens
     if engine.speculate and not engine.rewinds:
         why = ("its recurrent layers keep a state, which cannot take back a wrong guess"
@@ -59,6 +64,10 @@ def set_speculate(engine: Engine, tokens: int) -> None:
                f"the {engine.backend_name} backend runs whole steps on a KV cache it cannot rewind (that takes "
                "API 1.6's kestrel_forward_batch)")
         err.print(f"--speculate: this model decodes without guesses here ({why})", soft_wrap=True)
+    elif engine.speculate and draft_model is not None:
+        from kestrel_core.model.draft_model import attach_draft_model
+
+        attach_draft_model(engine, draft_model, quant)
 
 
 def _note_options(engine: Engine, args: argparse.Namespace) -> None:

@@ -312,9 +312,9 @@ CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
 # given, these must hold more than blanks: ``--api-key "$KEY"`` with KEY unset must not serve without a key, nor
 # ``--preset ""`` load the default model, ``--lora ""`` merge the current directory or ``--concurrency ""`` run batch 1
 CLI_TEXT = ("host", "served_model_name", "api_key", "quant", "backend", "model", "output", "preset", "lora",
-            "concurrency")
+            "concurrency", "draft_model")
 _POSITIONAL = {"prompt": "the prompt", "texts": "a text to embed"}
-_PATHS = frozenset({"model", "output", "lora"})
+_PATHS = frozenset({"model", "output", "lora", "draft_model"})
 
 
 def check_cli_args(args: Any) -> None:
@@ -340,6 +340,8 @@ def check_cli_args(args: Any) -> None:
         for one in value if isinstance(value, list) else [value]:  # a repeatable option: each value
             if one is not None and not str(one).strip():
                 raise KestrelError(f"--{name.replace('_', '-')}: {name} must not be empty, got {one!r}")
+    if getattr(args, "draft_model", None) is not None and not getattr(args, "speculate", 0):
+        raise KestrelError("--draft-model guesses the --speculate N tokens a step: give --speculate too")
     for name, value in vars(args).items():  # Python decodes the command line's invalid UTF-8 as lone surrogates
         if name in _PATHS:  # a file's name may be any bytes
             continue

@@ -71,6 +71,8 @@ def serve_command(args: argparse.Namespace) -> int:
         raise KestrelError("give either --model or --preset, not both")
     if args.lora is not None and len(args.model or ()) > 1:
         raise KestrelError("--lora merges into one model; serve one --model with it")
+    if args.draft_model is not None and len(args.model or ()) > 1:
+        raise KestrelError("--draft-model drafts for one model; serve one --model with it")
     loading = load_options(args, preset=bool(preset))  # a bad option is its error, not a busy port's
     sock = bind_socket(args.host, args.port)  # a busy port fails now, not after the model has loaded
     engines = []
@@ -83,7 +85,7 @@ def serve_command(args: argparse.Namespace) -> int:
             for model in args.model or [None]:
                 engines.append(load(model, **options, **loading))
         for engine in engines:
-            set_speculate(engine, args.speculate)
+            set_speculate(engine, args.speculate, args.draft_model, args.quant)
             if args.no_model_sampling:
                 engine.sampling_defaults = {}
         status = serve(engines, host=args.host, port=args.port, api_key=api_key, sock=sock,

@@ -8,6 +8,7 @@ model drafts for itself (every guess is right, as long as the draft's sequence f
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -205,3 +206,38 @@ def _word_level(data: dict) -> None:
 def test_a_draft_is_compared_with_the_targets_vocabulary(draft: object, reason: str | None) -> None:
     found = vocabulary_mismatch(_tokenizer(), draft)
     assert found == reason if reason is None else found is not None and found.startswith(reason)
+
+
+def test_a_draft_of_another_vocabulary_is_refused_in_one_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from kestrel_core.cli import main
+
+    other = tmp_path / "other-vocab"
+    shutil.copytree(TARGET, other)
+    data = json.loads((other / "tokenizer.json").read_text())
+    _swap_parens(data)
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    assert main(["run", "--model", str(TARGET), "--draft-model", str(other), "--speculate", "4", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"error: the draft model {other}: it cannot draft for this model: its token 10 is ')', the target's '('"
+    )
+    assert main(["run", "--model", str(TARGET), "--draft-model", str(TARGET), "x"]) == 2  # no --speculate
+    assert capsys.readouterr().err.strip() == (
+        "error: --draft-model guesses the --speculate N tokens a step: give --speculate too"
+    )
+    recurrent = FIXTURES / "tiny-qwen3_5"
+    assert main(["run", "--model", str(TARGET), "--draft-model", str(recurrent), "--speculate", "4", "x"]) == 2
+    assert "its recurrent layers keep a state" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_cli_option_gives_the_same_answer(capsys) -> None:  # type: ignore[no-untyped-def]
+    from kestrel_core.cli import main
+
+    answers = []
+    command = ["run", "--model", str(TARGET), "--max-tokens", "24", "--json", "Repeat: the sea, the sea, the sea"]
+    for extra in ([], ["--draft-model", str(TARGET), "--speculate", "4"]):
+        assert main(command + extra) == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    assert answers[0]["text"] == answers[1]["text"] and answers[0]["tokens"] == answers[1]["tokens"]
+    stats = answers[1]["stats"]
+    assert answers[0]["stats"]["drafted"] == 0 and 0 < stats["accepted"] == stats["drafted"]
