@@ -1,9 +1,10 @@
 """Speculative decoding by prompt lookup (``--speculate``, kestrel_core/model/speculate.py): greedy decode tok/s of
-the default model without it and with 4 and 8 draft tokens, runs alternating, on a task whose answer repeats its
-prompt (edit this code) and one whose answer does not (a story), at 1 and 4 concurrent streams; with the
-acceptance rate, and a check that every setting gives the same tokens.
+the default model (or ``--model``) without it and with 4 and 8 draft tokens, runs alternating, on a task whose
+answer repeats its prompt (edit this code) and one whose answer does not (a story), at 1 and 4 concurrent streams;
+with the acceptance rate, and a check that every setting gives the same tokens. With ``--draft-model``, also 4 and 8
+draft tokens from that model's guesses (``--draft-model``, kestrel_core/model/draft_model.py) in the same runs.
 
-    python benchmarks/speculate.py [--tokens 128] [--runs 3] [--backend cpu]
+    python benchmarks/speculate.py [--tokens 128] [--runs 3] [--backend cpu] [--model M] [--draft-model D]
 
 With ``--preset`` (random weights, no text), what a guess costs and gains on the backend: a random prompt's
 greedy answer without guesses, then with drafts of k tokens that are all right (the answer's next ones: the
@@ -25,6 +26,7 @@ from functools import partial
 import numpy as np
 
 import kestrel_core
+from kestrel_core.model.draft_model import DraftModel, attach_draft_model
 from kestrel_core.model.engine_load import load_preset
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
@@ -74,10 +76,11 @@ class Oracle(PromptLookup):
 
 
 def run(engine: kestrel_core.Engine, ids: list[int], streams: int, tokens: int, speculate: int,
-        lookup: Callable[[], PromptLookup] | None = None) -> tuple[float, list[list[int]], int, int]:
+        lookup: Callable[[], PromptLookup] | None = None,
+        draft: DraftModel | None = None) -> tuple[float, list[list[int]], int, int]:
     """(decode tok/s over all streams, each stream's tokens, drafted, accepted). ``lookup``: each request's
-    drafts' source (an Oracle) instead of prompt lookup."""
-    engine.speculate = speculate
+    drafts' source (an Oracle) instead of prompt lookup; ``draft``: a draft model's guesses instead."""
+    engine.speculate, engine.draft_model = speculate, draft
     scheduler = Scheduler(engine, max_batch=streams)
     requests = [scheduler.add(ids, SamplingParams(max_tokens=tokens, ignore_eos=True)) for _ in range(streams)]
     if lookup is not None:
@@ -135,32 +138,46 @@ def main() -> int:
     ap.add_argument("--preset", help="random weights of these shapes: what guesses cost and gain")
     ap.add_argument("--quant", default="q8")
     ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--model", default=None, help="the model (default: the default model)")
+    ap.add_argument("--draft-model", default=None, help="a draft model of the same vocabulary: its guesses too")
     args = ap.parse_args()
     if args.preset:
         with load_preset(args.preset, backend=args.backend, quant=args.quant) as engine:
             print(engine.backend_line)
             preset_costs(engine, args.tokens, args.runs, args.prompt_tokens)
         return 0
-    with kestrel_core.load(None, backend=args.backend) as engine:
+    with kestrel_core.load(args.model, backend=args.backend) as engine:
+        settings: list[tuple[str, int, DraftModel | None]] = [("off", 0, None), ("prompt lookup 4", 4, None),
+                                                              ("prompt lookup 8", 8, None)]
+        if args.draft_model:
+            draft = attach_draft_model(engine, args.draft_model)
+            settings += [("draft model 4", 4, draft), ("draft model 8", 8, draft)]
         for task, text in TASKS.items():
             ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+            room = engine.config.max_position - args.tokens - 1
+            if len(ids) > room:  # a tiny model's context
+                print(f"{task}: its prompt's last {room} of {len(ids)} tokens, for a context of "
+                      f"{engine.config.max_position}")
+                ids = ids[-room:]
             for streams in (1, 4):
-                run(engine, ids, streams, 8, 4)  # warm-up
-                rates: dict[int, list[float]] = {0: [], 4: [], 8: []}
-                kept: dict[int, tuple[int, int]] = {}
+                for _, speculate, draft in settings:
+                    if speculate == 4:
+                        run(engine, ids, streams, 8, speculate, draft=draft)  # warm-up
+                rates: dict[str, list[float]] = {name: [] for name, _, _ in settings}
+                kept: dict[str, tuple[int, int]] = {}
                 answers = set()
                 for _ in range(args.runs):
-                    for speculate in rates:
-                        rate, tokens, drafted, accepted = run(engine, ids, streams, args.tokens, speculate)
-                        rates[speculate].append(rate)
-                        kept[speculate] = (drafted, accepted)
+                    for name, speculate, draft in settings:
+                        rate, tokens, drafted, accepted = run(engine, ids, streams, args.tokens, speculate, draft=draft)
+                        rates[name].append(rate)
+                        kept[name] = (drafted, accepted)
                         answers.add(tuple(map(tuple, tokens)))
                 same = "same tokens" if len(answers) == 1 else "TOKENS DIFFER"
                 print(f"{task}, {streams} stream(s), {args.tokens} tokens each ({same}):")
-                for speculate, values in rates.items():
-                    drafted, accepted = kept[speculate]
+                for name, values in rates.items():
+                    drafted, accepted = kept[name]
                     share = f", {accepted}/{drafted} drafts kept" if drafted else ""
-                    print(f"  speculate {speculate}: {statistics.median(values):7.1f} tok/s "
+                    print(f"  {name:>15}: {statistics.median(values):7.1f} tok/s "
                           f"(runs {', '.join(f'{v:.1f}' for v in values)}){share}")
     return 0
 
