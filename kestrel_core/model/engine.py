@@ -181,7 +181,8 @@ class Engine:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def on_close(self, stop: Callable[[], None]) -> None:
-        """Have ``close()`` call ``stop()`` first (an ``AsyncEngine``'s thread, which holds this engine)."""
+        """Have ``close()`` call ``stop()`` first, the latest given first: an ``AsyncEngine``'s thread, which holds
+        this engine, stops before the draft model it drafts with closes (kestrel_core.model.draft_model)."""
         self._on_close.append(stop)
 
     def close(self) -> None:
@@ -189,7 +190,7 @@ class Engine:
         KestrelError (closing again does nothing)."""
         self.closed = True
         stops, self._on_close = self._on_close, []
-        for stop in stops:
+        for stop in reversed(stops):
             stop()
         if self.registry is not None:
             self.registry.close()

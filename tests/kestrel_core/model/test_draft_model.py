@@ -136,6 +136,14 @@ def test_a_drafts_sequence_is_freed_when_its_request_is_aborted() -> None:
         scheduler.close()
 
 
+def test_the_draft_model_closes_with_its_engine_after_what_serves_it() -> None:
+    with kestrel_core.load(str(TARGET), backend="cpu") as engine:
+        drafter = attach_draft_model(engine, str(FIXTURES / "tiny-llama"))
+        seen: list[bool] = []
+        engine.on_close(lambda: seen.append(drafter.engine.closed))  # as an AsyncEngine made after it stops
+    assert seen == [False] and drafter.engine.closed
+
+
 def test_drafts_stop_at_the_draft_models_context_and_kv_room() -> None:
     """A draft model of a shorter context, and one whose KV pool holds fewer positions than the requests take:
     the requests it cannot hold decode without its guesses (a draft run past its context would raise)."""
