@@ -50,6 +50,11 @@ BAD_VALUES = [
     (["--model", str(TINY), "--rope-scaling", "yarn"], "--rope-scaling: not JSON"),
     (["--model", str(TINY), "--model", str(TINY), "--lora", str(TINY)], "--lora merges into one model"),
     (["--model", str(TINY), "--lora", str(TINY)], "needs adapter_config.json and adapter_model.safetensors"),
+    (["--model", str(TINY), "--model", str(TINY), "--draft-model", str(TINY), "--speculate", "2"],
+     "--draft-model drafts for one model"),
+    (["--model", str(TINY), "--draft-model", str(TINY.parent / "tiny-qwen3_5"), "--speculate", "2"],
+     "its recurrent layers keep a state"),
+    (["--model", str(TINY), "--draft-model", str(TINY)], "--draft-model guesses the --speculate N tokens"),
 ])
 def test_bad_options_are_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--port", "0", *argv]) == 2  # port 0: a server on 8000 is no failure here
@@ -182,6 +187,17 @@ def test_speculate_on_a_recurrent_model_says_it_decodes_without_guesses(
     assert main(["serve", "--model", str(model), "--port", "0", "--speculate", "3"]) == 0
     assert served == [3]
     assert "--speculate: this model decodes without guesses here (its recurrent layers" in capsys.readouterr().err
+
+
+def test_a_draft_model_drafts_for_the_served_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kestrel_core.serve import server
+
+    served: list[tuple[int, str]] = []
+    monkeypatch.setattr(server, "serve", lambda engines, **_: served.extend(
+        (e.speculate, e.draft_model.engine.source) for e in engines))
+    draft = TINY.parent / "tiny-llama"
+    assert main(["serve", "--model", str(TINY), "--port", "0", "--speculate", "3", "--draft-model", str(draft)]) == 0
+    assert served == [(3, str(draft))]
 
 
 @pytest.mark.parametrize(("flags", "want"), [([], "fcfs"), (["--scheduling-policy", "priority"], "priority")])
