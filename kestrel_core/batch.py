@@ -65,6 +65,13 @@ def greedy_token(out: np.ndarray) -> int:
     return int(out[-1]) if out.ndim == 1 else int(np.argmax(out[-1]))
 
 
+def greedy_probability(out: np.ndarray) -> float:
+    """The probability of an entry's greedy token: the softmax of its last row of logits at their largest (the
+    logits themselves, not argmax_only's ids)."""
+    row = out[-1]
+    return 1.0 / float(np.exp(row - row.max(), dtype=np.float64).sum())
+
+
 def id_range(ids: np.ndarray) -> tuple[int, int]:
     """(min, max) of a non-empty integer array as Python ints; a decode row's one id is read directly, since
     numpy's reductions cost more than the check that wants them."""

@@ -34,6 +34,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import KV_TYPES, POOLINGS
 from kestrel_core.model.reasoning import THINK_LEVELS
 from kestrel_core.model.request_queue import POLICIES
+from kestrel_core.model.speculate import DRAFT_P_MIN
 
 # -- backends / selftest ------------------------------------------------------------------------------
 
@@ -198,6 +199,9 @@ def _speculate_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a smaller model of the same vocabulary guesses the --speculate N tokens instead (what --model "
                         "takes: a Hugging Face directory or Hub name, a .gguf, a .kst), on the same backend")
+    p.add_argument("--draft-p-min", type=float, default=None, metavar="P",
+                   help="the --draft-model's guesses stop at the first it gives a probability below P (the softmax "
+                        f"of its logits; llama.cpp's --draft-p-min; default: {DRAFT_P_MIN}; 0: up to N every step)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

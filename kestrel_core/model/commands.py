@@ -28,6 +28,7 @@ from kestrel_core.model.fim import fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, regex_grammar
 from kestrel_core.model.harmony import HarmonyStream, is_harmony
 from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, reasoning_markers, think_kwargs
+from kestrel_core.model.speculate import DRAFT_P_MIN
 from kestrel_core.model.validate import read_line_stdin, read_text_stdin
 
 
@@ -47,16 +48,19 @@ def _open_engine(args: argparse.Namespace) -> Engine:
         engine.sampling_defaults = {}
     err.print(engine.backend_line, soft_wrap=True)
     try:
-        set_speculate(engine, getattr(args, "speculate", 0), getattr(args, "draft_model", None), args.quant)
+        set_speculate(engine, getattr(args, "speculate", 0), getattr(args, "draft_model", None), args.quant,
+                      getattr(args, "draft_p_min", None))
     except BaseException:
         engine.close()
         raise
     return engine
 
 
-def set_speculate(engine: Engine, tokens: int, draft_model: str | None = None, quant: str | None = None) -> None:
-    """``--speculate``, and ``--draft-model`` (loaded at ``quant`` where the engine guesses at all): set, with a note
-    where this model and backend decode without guesses."""
+def set_speculate(engine: Engine, tokens: int, draft_model: str | None = None, quant: str | None = None,
+                  draft_p_min: float | None = None) -> None:
+    """``--speculate``, and ``--draft-model`` (loaded at ``quant`` where the engine guesses at all, its guesses cut
+    at ``--draft-p-min``, DRAFT_P_MIN where None): set, with a note where this model and backend decode without
+    guesses."""
     engine.speculate = tokens
     if engine.speculate and not engine.rewinds:
         why = ("its recurrent layers keep a state, which cannot take back a wrong guess"
@@ -67,7 +71,7 @@ def set_speculate(engine: Engine, tokens: int, draft_model: str | None = None, q
     elif engine.speculate and draft_model is not None:
         from kestrel_core.model.draft_model import attach_draft_model
 
-        attach_draft_model(engine, draft_model, quant)
+        attach_draft_model(engine, draft_model, quant, DRAFT_P_MIN if draft_p_min is None else draft_p_min)
 
 
 def _note_options(engine: Engine, args: argparse.Namespace) -> None:

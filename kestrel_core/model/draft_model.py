@@ -6,10 +6,13 @@ target's greedy answer whatever the draft guesses.
 The draft model is an ``Engine`` of its own on the target's backend, with the target's activations and KV cache type,
 and a KV pool of as many positions as the target's (a small one for a small model; its pages are only touched as
 they are used). Each request has a sequence in it (``Request.draft_seq``) kept in step with the request's tokens:
-when the scheduler asks for drafts, the sequence is rewound to where it agrees with them (past the guesses the
-target did not keep) and runs the rest (the tokens the target kept, and its next one) as one chunk, whose last row's
-argmax is the first guess; each further guess is a decode step. The requests of a scheduler step draft together:
-one batched step of the draft model at a time. A request's sequence is freed when it ends or is preempted.
+when the scheduler asks for drafts, it is rewound to where it agrees with the tokens (past the guesses the target
+did not keep) and runs the rest (the tokens the target kept, and its next one) as one chunk, whose last row's argmax is
+the first guess; each further guess is a decode step. A draft ends at the first guess whose probability under the
+draft model (the softmax of its logits) is below ``p_min``, as llama.cpp's ``--draft-p-min`` ends it: a guess the
+draft is unsure of is seldom the target's, and each costs the draft a step and the target a row. The requests of a
+scheduler step draft together: one batched step of the draft model at a time. A request's sequence is freed when
+it ends or is preempted.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kestrel_core.batch import greedy_token
+from kestrel_core.batch import greedy_probability, greedy_token
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.engine import Engine, SeqState
 from kestrel_core.model.kv_pool import bytes_per_position
-from kestrel_core.model.speculate import Guesser
+from kestrel_core.model.speculate import DRAFT_P_MIN, Guesser
 from kestrel_core.model.weights import PREFILL_CHUNK
 
 if TYPE_CHECKING:
@@ -45,11 +48,14 @@ class DraftSequence:
 
 class DraftModel(Guesser):
     """Drafts by a draft model's greedy decoding (see the module docstring): ``engine`` is the draft model's,
-    ``vocab_size`` the target's (a guess past it, a padded vocabulary's id, ends the draft)."""
+    ``vocab_size`` the target's (a guess past it, a padded vocabulary's id, ends the draft), ``p_min`` the
+    probability under the draft model below which a guess ends the draft (0: none does; every guess is then only
+    the device's argmax, without its logits)."""
 
-    def __init__(self, engine: Engine, vocab_size: int) -> None:
+    def __init__(self, engine: Engine, vocab_size: int, p_min: float = DRAFT_P_MIN) -> None:
         self.engine = engine
         self.vocab_size = vocab_size
+        self.p_min = checked_p_min(p_min)
 
     def offers(self, request: Request) -> bool:
         """Whether the draft model holds ``request``'s tokens: its context and KV pool."""
@@ -63,7 +69,8 @@ class DraftModel(Guesser):
 
     def drafts(self, asks: Sequence[tuple[Request, int]]) -> list[list[int]]:
         """Each request's guesses: its sequence caught up with its tokens, then greedy decode steps, batched over
-        the requests; none for a request whose draft would pass the draft model's context or KV pool."""
+        the requests, up to the first the draft model is less sure of than ``p_min``; none for a request whose
+        draft would pass the draft model's context or KV pool."""
         engine = self.engine
         guesses: list[list[int]] = [[] for _ in asks]
         runs: list[tuple[int, SeqState, list[int], int]] = []  # (ask, sequence, tokens to run, guesses wanted)
@@ -72,47 +79,62 @@ class DraftModel(Guesser):
             k = min(k, engine.config.max_position - len(tokens) + 1)  # it runs the tokens, then k - 1 guesses
             if k <= 0:
                 continue
-            seq = self._in_step(request)
+            seq = self._in_step(request, len(tokens) - 1)
             if engine.pool.reserve(seq.cache, len(tokens) + k - 1):
                 runs.append((i, seq, tokens[len(seq.tokens) :], k))
-        while True:  # a long catch-up (a request's first draft): all but its last prefill chunk, a chunk a step
-            long = [j for j, (_, _, rest, _) in enumerate(runs) if len(rest) > PREFILL_CHUNK]
-            if not long:
-                break
-            engine.run_batch([(runs[j][1], runs[j][2][:PREFILL_CHUNK], 0) for j in long])
-            for j in long:
-                i, seq, rest, k = runs[j]
-                runs[j] = (i, seq, rest[PREFILL_CHUNK:], k)
-        while runs:
-            outs = engine.run_batch([(seq, rest, 1) for _, seq, rest, _ in runs], [True] * len(runs))
+        rests = self._run_long([(seq, rest) for _, seq, rest, _ in runs])
+        steps = [(i, seq, rest, k) for (i, seq, _, k), rest in zip(runs, rests)]
+        argmax_only = self.p_min == 0  # no cutoff: a backend may choose the argmax on its device, without logits
+        while steps:
+            outs = engine.run_batch([(seq, rest, 1) for _, seq, rest, _ in steps], [argmax_only] * len(steps))
             going = []
-            for (i, seq, _, k), out in zip(runs, outs):
+            for (i, seq, _, k), out in zip(steps, outs):
                 token = greedy_token(out)
-                if token >= self.vocab_size:
+                if token >= self.vocab_size or not argmax_only and greedy_probability(out) < self.p_min:
                     continue
                 guesses[i].append(token)
                 if len(guesses[i]) < k:
                     going.append((i, seq, [token], k))
-            runs = going
+            steps = going
         return guesses
 
-    def _in_step(self, request: Request) -> SeqState:
+    def _run_long(self, runs: list[tuple[SeqState, list[int]]]) -> list[list[int]]:
+        """The tokens of each (sequence, tokens) run a prefill chunk a step, batched, while more than a chunk of
+        them is left (a request's first catch-up); each one's last chunk, not run, returned."""
+        rests = [rest for _, rest in runs]
+        while True:
+            long = [j for j, rest in enumerate(rests) if len(rest) > PREFILL_CHUNK]
+            if not long:
+                return rests
+            self.engine.run_batch([(runs[j][0], rests[j][:PREFILL_CHUNK], 0) for j in long])
+            for j in long:
+                rests[j] = rests[j][PREFILL_CHUNK:]
+
+    def _in_step(self, request: Request, upto: int) -> SeqState:
         """``request``'s sequence (a new one on its first draft: a cached prefix of its prompt attached), rewound to
-        the tokens it shares with the request, short of the request's last (whose row gives the first guess)."""
+        the tokens it shares with the request's first ``upto`` (short of its last for a draft, whose row gives the
+        first guess)."""
         tokens = request.tokens
         state = request.draft_seq
         if state is None:
             seq = self.engine.new_sequence(len(request.prompt_ids), tokens)
             state = request.draft_seq = DraftSequence(seq, len(seq.tokens))
         seq = state.seq
-        same = min(state.known, len(seq.tokens), len(tokens) - 1)
-        end = min(len(seq.tokens), len(tokens) - 1)
+        same = min(state.known, len(seq.tokens), upto)
+        end = min(len(seq.tokens), upto)
         while same < end and seq.tokens[same] == tokens[same]:
             same += 1
         if same < len(seq.tokens):
             self.engine.rewind(seq, same)
         state.known = len(tokens)  # once its tokens are run, as they are before any guess
         return seq
+
+
+def checked_p_min(p_min: float) -> float:
+    """A draft's probability cutoff, or a KestrelError (one line) for one outside [0, 1] (NaN too)."""
+    if not 0.0 <= p_min <= 1.0:
+        raise KestrelError(f"the draft model's p_min must be in [0, 1], got {p_min!r}")
+    return p_min
 
 
 def vocabulary_mismatch(target: Any, draft: Any) -> str | None:
@@ -144,14 +166,16 @@ def vocabulary_mismatch(target: Any, draft: Any) -> str | None:
     return None
 
 
-def attach_draft_model(target: Engine, source: str, quant: str | None = None) -> DraftModel:
+def attach_draft_model(target: Engine, source: str, quant: str | None = None, p_min: float = DRAFT_P_MIN) -> DraftModel:
     """The draft model at ``source`` (what ``load`` takes: a Hugging Face directory or Hub name, a .gguf, a .kst),
-    loaded at ``quant`` on ``target``'s backend with its activations, set as ``target.draft_model`` and closed with
-    it. A KestrelError (one line) where it cannot draft for ``target``: another vocabulary, an embedding model, or
-    one whose guesses cannot be taken back (recurrent layers, a backend's KV cache that does not rewind)."""
+    loaded at ``quant`` on ``target``'s backend with its activations, drafting up to a guess it gives less
+    probability than ``p_min``, set as ``target.draft_model`` and closed with it. A KestrelError (one line) where it
+    cannot draft for ``target``: another vocabulary, an embedding model, or one whose guesses cannot be taken back
+    (recurrent layers, a backend's KV cache that does not rewind)."""
     from kestrel_core.model.engine_load import load
     from kestrel_core.model.loader import load_model
 
+    checked_p_min(p_min)  # before the model loads
     try:
         loaded = load_model(source, quant=quant)
         config = loaded.model.config
@@ -180,7 +204,7 @@ def attach_draft_model(target: Engine, source: str, quant: str | None = None) ->
             )
     except KestrelError as exc:
         raise KestrelError(f"the draft model {source}: {exc}") from None
-    draft = DraftModel(engine, target.config.vocab_size)
+    draft = DraftModel(engine, target.config.vocab_size, p_min)
     target.draft_model = draft
     target.on_close(engine.close)
     return draft

@@ -25,6 +25,9 @@ MAX_NGRAM = 3  # the longest suffix looked up; a longer match is tried first
 # while a code edit gained as much either way (100 -> 157, 99 -> 153 tok/s)
 MIN_NGRAM = 2
 MAX_PAUSE = 32  # tokens without drafts after checks that kept none of theirs: 2, 4, 8, ... up to this
+# A draft model's guesses stop at the first that it gives a lower probability than this (--draft-p-min):
+# llama.cpp's --draft-p-min default
+DRAFT_P_MIN = 0.75
 
 
 class PromptLookup:
@@ -48,13 +51,13 @@ class PromptLookup:
             self._misses = 0
             return
         self._misses += 1
-        self._resume = len(self.tokens) + min(2 ** self._misses, MAX_PAUSE)
+        self._resume = len(self.tokens) + min(2**self._misses, MAX_PAUSE)
 
     def extend(self, tokens: Sequence[int]) -> None:
         for token in tokens:
             t = len(self.tokens)  # the n-grams ending just before it now have a continuation: it
             for n in range(1, min(MAX_NGRAM, t) + 1):
-                self._next[tuple(self.tokens[t - n:t])] = t
+                self._next[tuple(self.tokens[t - n : t])] = t
             self.tokens.append(int(token))
 
     def draft(self, k: int) -> list[int]:
@@ -66,7 +69,7 @@ class PromptLookup:
         for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
             start = self._next.get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start:start + k]
+                return tokens[start : start + k]
         return []
 
 
@@ -109,6 +112,6 @@ class LookupGuesser(Guesser):
         lookup = request.lookup = request.lookup if request.lookup is not None else PromptLookup()
         prompt = len(request.prompt_ids)
         if len(lookup.tokens) < prompt:
-            lookup.extend(request.prompt_ids[len(lookup.tokens):])
-        lookup.extend(request.output_ids[len(lookup.tokens) - prompt:])
+            lookup.extend(request.prompt_ids[len(lookup.tokens) :])
+        lookup.extend(request.output_ids[len(lookup.tokens) - prompt :])
         return lookup

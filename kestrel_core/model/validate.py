@@ -306,7 +306,7 @@ CLI_INT_RANGES: dict[str, tuple[int, int | None]] = {
 }
 CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repetition_penalty": (0.0, 10.0),
-    "kv_cache_mb": (0.0, 2.0 ** 40), "lora_scale": (-100.0, 100.0),
+    "kv_cache_mb": (0.0, 2.0 ** 40), "lora_scale": (-100.0, 100.0), "draft_p_min": (0.0, 1.0),
     "shutdown_grace": (0.0, 86400.0), "max_request_mb": (1e-6, 2.0 ** 20),  # at least a byte
 }
 # given, these must hold more than blanks: ``--api-key "$KEY"`` with KEY unset must not serve without a key, nor
@@ -342,6 +342,8 @@ def check_cli_args(args: Any) -> None:
                 raise KestrelError(f"--{name.replace('_', '-')}: {name} must not be empty, got {one!r}")
     if getattr(args, "draft_model", None) is not None and not getattr(args, "speculate", 0):
         raise KestrelError("--draft-model guesses the --speculate N tokens a step: give --speculate too")
+    if getattr(args, "draft_p_min", None) is not None and getattr(args, "draft_model", None) is None:
+        raise KestrelError("--draft-p-min is where the --draft-model's guesses stop: give --draft-model too")
     for name, value in vars(args).items():  # Python decodes the command line's invalid UTF-8 as lone surrogates
         if name in _PATHS:  # a file's name may be any bytes
             continue

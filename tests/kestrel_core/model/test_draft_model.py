@@ -2,7 +2,10 @@
 its requests, its limits, and the vocabularies it is refused for.
 
 The tiny random models share one tokenizer: tiny-llama drafts for tiny-qwen3 (its guesses are mostly wrong), and a
-model drafts for itself (every guess is right, as long as the draft's sequence follows the request's tokens).
+model drafts for itself (every guess is right, as long as the draft's sequence follows the request's tokens). Their
+random weights are sure of no token (a greedy token's probability is about 0.1 to 0.5), so the tests that want every
+guess drafted set no probability cutoff (p_min 0), and those of the cutoff find its positions with the draft's own
+engine.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 import pytest
 
 import kestrel_core
+from kestrel_core.errors import KestrelError
 from kestrel_core.model.draft_model import DraftModel, attach_draft_model, vocabulary_mismatch
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
@@ -53,7 +57,7 @@ def test_a_batch_with_a_draft_model_gives_the_greedy_answers(draft: str) -> None
         greedy = [(ids, SamplingParams(max_tokens=30, ignore_eos=True)) for ids in _prompts(engine, 5)]
         sampled = (greedy[0][0], SamplingParams(max_tokens=20, temperature=0.9, seed=3))  # no drafts for it
         plain, before = _run(engine, 0, [*greedy, sampled])
-        drafter = attach_draft_model(engine, str(FIXTURES / draft))
+        drafter = attach_draft_model(engine, str(FIXTURES / draft), p_min=0)
         for k in (1, 3, 6):
             fast, after = _run(engine, k, [*greedy, sampled])
             assert fast == plain, k
@@ -69,7 +73,7 @@ def test_a_model_drafting_for_itself_is_always_right_through_preemptions() -> No
     with kestrel_core.load(str(TARGET), backend="cpu", kv_cache_mb=0.15) as engine:
         requests = [(ids, SamplingParams(max_tokens=40, ignore_eos=True)) for ids in _prompts(engine, 6, seed=2)]
         plain, before = _run(engine, 0, requests, max_batch=6)
-        drafter = attach_draft_model(engine, str(TARGET))
+        drafter = attach_draft_model(engine, str(TARGET), p_min=0)
         fast, after = _run(engine, 4, requests, max_batch=6)
         assert fast == plain and after.preemptions > 0
         assert after.drafted > 0 and after.accepted == after.drafted
@@ -80,15 +84,19 @@ class _CheckedDrafts(DraftModel):
     """A draft model whose sequences are checked after every draft: the request's tokens, then the guesses the
     draft ran, and its guesses those a second engine of it gives from the request's tokens read afresh."""
 
-    def __init__(self, engine: kestrel_core.Engine, vocab_size: int, fresh: kestrel_core.Engine) -> None:
-        super().__init__(engine, vocab_size)
-        self.fresh = DraftModel(fresh, vocab_size)
+    def __init__(self, engine: kestrel_core.Engine, vocab_size: int, fresh: kestrel_core.Engine, p_min: float) -> None:
+        super().__init__(engine, vocab_size, p_min)
+        self.fresh = DraftModel(fresh, vocab_size, p_min)
         self.checked_drafts = 0
+        self.cut = 0  # drafts the cutoff ended before k guesses
 
     def drafts(self, asks):  # type: ignore[no-untyped-def]
         guesses = super().drafts(asks)
         for (request, k), guess in zip(asks, guesses):
-            assert request.draft_seq.seq.tokens == request.tokens + guess[:-1]
+            ran = request.draft_seq.seq.tokens  # every guess but the last, or all of a draft the cutoff ended
+            assert ran == request.tokens + guess[: len(ran) - len(request.tokens)]
+            assert len(request.tokens) + len(guess) - (len(guess) == k) == len(ran)
+            self.cut += len(guess) < k
             anew = SimpleNamespace(tokens=request.tokens, prompt_ids=request.prompt_ids, draft_seq=None)
             assert self.fresh.drafts([(anew, k)]) == [guess]
             self.fresh.forget(anew)
@@ -96,11 +104,16 @@ class _CheckedDrafts(DraftModel):
         return guesses
 
 
-@pytest.mark.parametrize(("kv_cache_mb", "token_budget"), [(None, None), (0.15, None), (None, 8)])
-def test_a_drafts_sequence_follows_its_requests_tokens(kv_cache_mb: float | None, token_budget: int | None) -> None:
+@pytest.mark.parametrize(
+    ("kv_cache_mb", "token_budget", "p_min"), [(None, None, 0), (0.15, None, 0), (None, 8, 0), (None, None, 0.1)]
+)
+def test_a_drafts_sequence_follows_its_requests_tokens(
+    kv_cache_mb: float | None, token_budget: int | None, p_min: float
+) -> None:
     """A GPTQ checkpoint of tiny-qwen3 guesses most of its tokens, not all: its sequences are rewound past the
     wrong guesses and catch up on what the target kept, also after steps without drafts (a small token budget that
-    prompts take), and are freed when their requests are preempted (then caught up from the start) or end."""
+    prompts take), and are freed when their requests are preempted (then caught up from the start) or end. With a
+    cutoff near its greedy tokens' probabilities, drafts end early, and the sequences then hold every guess."""
     with (
         kestrel_core.load(str(TARGET), backend="cpu", kv_cache_mb=kv_cache_mb) as engine,
         kestrel_core.load(str(FIXTURES / "tiny-qwen3-gptq"), backend="cpu") as draft_engine,
@@ -108,7 +121,7 @@ def test_a_drafts_sequence_follows_its_requests_tokens(kv_cache_mb: float | None
     ):
         requests = [(ids, SamplingParams(max_tokens=40, ignore_eos=True)) for ids in _prompts(engine, 6, seed=2)]
         plain, _ = _run(engine, 0, requests, max_batch=6)
-        engine.draft_model = drafter = _CheckedDrafts(draft_engine, engine.config.vocab_size, fresh)
+        engine.draft_model = drafter = _CheckedDrafts(draft_engine, engine.config.vocab_size, fresh, p_min)
         engine.speculate = 3
         scheduler = Scheduler(engine, max_batch=3 if token_budget else 6, token_budget=token_budget)
         added = [scheduler.add(ids, params) for ids, params in requests]
@@ -116,14 +129,94 @@ def test_a_drafts_sequence_follows_its_requests_tokens(kv_cache_mb: float | None
             scheduler.step()
             assert all(r.draft_seq is None for r in added if r.seq is None)  # waiting again, or ended
         assert [r.output_ids for r in added] == plain
-        assert drafter.checked_drafts > 0 and 0 < scheduler.accepted < scheduler.drafted
+        assert drafter.checked_drafts > 0 and 0 < scheduler.accepted <= scheduler.drafted
+        if p_min:  # drafts the cutoff ended, whose sequences hold every guess
+            assert drafter.cut > 0
+        else:  # guesses the target did not keep, which the sequences are rewound past
+            assert scheduler.accepted < scheduler.drafted
         assert (scheduler.preemptions > 0) == (kv_cache_mb is not None)
         assert _all_free(draft_engine)
 
 
+def _greedy_with_probabilities(engine: kestrel_core.Engine, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """``engine``'s model's greedy continuation of ``prompt``, a token a step as a draft decodes, and each token's
+    probability (the softmax of its row of logits, in float64)."""
+    seq = engine.new_sequence(len(prompt))
+    assert engine.pool.reserve(seq.cache, len(prompt) + n)
+    tokens: list[int] = []
+    probabilities: list[float] = []
+    row = engine.run_batch([(seq, prompt, 1)])[0][-1].astype(np.float64)
+    for _ in range(n):
+        shares = np.exp(row - row.max())
+        tokens.append(int(np.argmax(row)))
+        probabilities.append(float(shares.max() / shares.sum()))
+        row = engine.run_batch([(seq, tokens[-1:], 1)])[0][-1].astype(np.float64)
+    engine.release(seq)
+    return tokens, probabilities
+
+
+def _asked(prompt: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(tokens=prompt, prompt_ids=prompt, draft_seq=None)
+
+
+def test_a_draft_stops_at_the_first_guess_below_p_min() -> None:
+    """A cutoff between a guess's probability and the lowest of those before it: the draft is the greedy tokens up
+    to that guess; without a cutoff, all k of them."""
+    k = 6
+    with kestrel_core.load(str(FIXTURES / "tiny-llama"), backend="cpu") as engine:
+        for prompt in _prompts(engine, 20, seed=7):
+            tokens, probabilities = _greedy_with_probabilities(engine, prompt, k)
+            # a position from 2 on whose guess is less sure than every one before it
+            stops = [j for j in range(2, k) if probabilities[j] < min(probabilities[:j])]
+            if stops:
+                break
+        assert stops, "no prompt whose draft's probabilities fall to a new low after two guesses"
+        j = stops[0]
+        for p_min, expected in ((0, tokens), ((probabilities[j] + min(probabilities[:j])) / 2, tokens[:j])):
+            drafter = DraftModel(engine, engine.config.vocab_size, p_min)
+            request = _asked(prompt)
+            assert drafter.drafts([(request, k)]) == [expected], p_min
+            drafter.forget(request)
+        assert _all_free(engine)
+
+
+def test_a_draft_model_sure_of_nothing_guesses_nothing() -> None:
+    with kestrel_core.load(str(TARGET), backend="cpu") as engine:
+        requests = [(ids, SamplingParams(max_tokens=20, ignore_eos=True)) for ids in _prompts(engine, 3)]
+        plain, _ = _run(engine, 0, requests)
+        drafter = attach_draft_model(engine, str(TARGET), p_min=0.999)
+        fast, after = _run(engine, 4, requests)
+        assert fast == plain and after.drafted == 0
+        assert _all_free(drafter.engine)
+
+
+@pytest.mark.parametrize("p_min", [0.0, 0.1, 0.2, 0.3, 0.75, 1.0])
+@pytest.mark.parametrize("draft", ["tiny-llama", "tiny-qwen3"])
+def test_the_answers_are_the_greedy_ones_for_any_p_min(draft: str, p_min: float) -> None:
+    with kestrel_core.load(str(TARGET), backend="cpu") as engine:
+        requests = [(ids, SamplingParams(max_tokens=24, ignore_eos=True)) for ids in _prompts(engine, 4, seed=3)]
+        plain, _ = _run(engine, 0, requests)
+        drafter = attach_draft_model(engine, str(FIXTURES / draft), p_min=p_min)
+        fast, after = _run(engine, 4, requests)
+        assert fast == plain
+        if draft == "tiny-qwen3":  # its own draft: every guess it makes is right
+            assert after.accepted == after.drafted
+        assert _all_free(engine) and _all_free(drafter.engine)
+
+
+def test_a_p_min_outside_0_to_1_is_one_line() -> None:
+    with kestrel_core.load(str(TARGET), backend="cpu") as engine:
+        for p_min in (-0.1, 1.5, float("nan")):
+            with pytest.raises(KestrelError, match=r"p_min must be in \[0, 1\]"):
+                DraftModel(engine, engine.config.vocab_size, p_min)
+            with pytest.raises(KestrelError, match=r"p_min must be in \[0, 1\]"):
+                attach_draft_model(engine, str(TARGET), p_min=p_min)
+        assert engine.draft_model is None
+
+
 def test_a_drafts_sequence_is_freed_when_its_request_is_aborted() -> None:
     with kestrel_core.load(str(TARGET), backend="cpu") as engine:
-        drafter = attach_draft_model(engine, str(FIXTURES / "tiny-llama"))
+        drafter = attach_draft_model(engine, str(FIXTURES / "tiny-llama"), p_min=0)
         engine.speculate = 3
         scheduler = Scheduler(engine)
         request = scheduler.add(_prompts(engine, 1)[0], SamplingParams(max_tokens=200, ignore_eos=True))
@@ -152,7 +245,7 @@ def test_drafts_stop_at_the_draft_models_context_and_kv_room() -> None:
         plain, _ = _run(engine, 0, requests)
         for options in ({"max_model_len": 48}, {"kv_cache_mb": 0.05}):
             with kestrel_core.load(str(TARGET), backend="cpu", **options) as draft_engine:
-                drafter = DraftModel(draft_engine, engine.config.vocab_size)
+                drafter = DraftModel(draft_engine, engine.config.vocab_size, p_min=0)
                 engine.draft_model = drafter
                 fast, after = _run(engine, 4, requests)
                 engine.draft_model = None
@@ -233,6 +326,14 @@ def test_a_draft_of_another_vocabulary_is_refused_in_one_line(tmp_path: Path, ca
     assert capsys.readouterr().err.strip() == (
         "error: --draft-model guesses the --speculate N tokens a step: give --speculate too"
     )
+    assert main(["run", "--model", str(TARGET), "--speculate", "4", "--draft-p-min", "0.5", "x"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --draft-p-min is where the --draft-model's guesses stop: give --draft-model too"
+    )
+    for bad in ("-0.1", "1.5", "nan"):
+        command = ["run", "--model", str(TARGET), "--draft-model", str(TARGET), "--speculate", "4"]
+        assert main([*command, "--draft-p-min", bad, "x"]) == 2
+        assert capsys.readouterr().err.strip() == f"error: --draft-p-min: draft_p_min must be in [0, 1], got {bad}"
     recurrent = FIXTURES / "tiny-qwen3_5"
     assert main(["run", "--model", str(TARGET), "--draft-model", str(recurrent), "--speculate", "4", "x"]) == 2
     assert "its recurrent layers keep a state" in capsys.readouterr().err.strip().splitlines()[-1]
@@ -243,7 +344,7 @@ def test_the_cli_option_gives_the_same_answer(capsys) -> None:  # type: ignore[n
 
     answers = []
     command = ["run", "--model", str(TARGET), "--max-tokens", "24", "--json", "Repeat: the sea, the sea, the sea"]
-    for extra in ([], ["--draft-model", str(TARGET), "--speculate", "4"]):
+    for extra in ([], ["--draft-model", str(TARGET), "--speculate", "4", "--draft-p-min", "0"]):
         assert main(command + extra) == 0
         answers.append(json.loads(capsys.readouterr().out))
     assert answers[0]["text"] == answers[1]["text"] and answers[0]["tokens"] == answers[1]["tokens"]

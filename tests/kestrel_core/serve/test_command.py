@@ -14,6 +14,7 @@ import pytest
 import kestrel_core
 from kestrel_core.cli import main
 from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.speculate import DRAFT_P_MIN
 from kestrel_core.serve import command
 
 from .helpers import http, running_server
@@ -55,6 +56,9 @@ BAD_VALUES = [
     (["--model", str(TINY), "--draft-model", str(TINY.parent / "tiny-qwen3_5"), "--speculate", "2"],
      "its recurrent layers keep a state"),
     (["--model", str(TINY), "--draft-model", str(TINY)], "--draft-model guesses the --speculate N tokens"),
+    (["--model", str(TINY), "--speculate", "2", "--draft-p-min", "0.5"], "give --draft-model too"),
+    (["--model", str(TINY), "--draft-model", str(TINY), "--speculate", "2", "--draft-p-min", "1.5"],
+     "--draft-p-min: draft_p_min must be in [0, 1], got 1.5"),
 ])
 def test_bad_options_are_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--port", "0", *argv]) == 2  # port 0: a server on 8000 is no failure here
@@ -192,12 +196,13 @@ def test_speculate_on_a_recurrent_model_says_it_decodes_without_guesses(
 def test_a_draft_model_drafts_for_the_served_model(monkeypatch: pytest.MonkeyPatch) -> None:
     from kestrel_core.serve import server
 
-    served: list[tuple[int, str]] = []
+    served: list[tuple[int, str, float]] = []
     monkeypatch.setattr(server, "serve", lambda engines, **_: served.extend(
-        (e.speculate, e.draft_model.engine.source) for e in engines))
+        (e.speculate, e.draft_model.engine.source, e.draft_model.p_min) for e in engines))
     draft = TINY.parent / "tiny-llama"
-    assert main(["serve", "--model", str(TINY), "--port", "0", "--speculate", "3", "--draft-model", str(draft)]) == 0
-    assert served == [(3, str(draft))]
+    command = ["serve", "--model", str(TINY), "--port", "0", "--speculate", "3", "--draft-model", str(draft)]
+    assert main(command) == 0 and main([*command, "--draft-p-min", "0.4"]) == 0
+    assert served == [(3, str(draft), DRAFT_P_MIN), (3, str(draft), 0.4)]
 
 
 @pytest.mark.parametrize(("flags", "want"), [([], "fcfs"), (["--scheduling-policy", "priority"], "priority")])
