@@ -6,8 +6,9 @@ target's greedy answer whatever the draft guesses.
 The draft model is an ``Engine`` of its own on the target's backend, with the target's activations and KV cache type,
 and a KV pool of as many positions as the target's (a small one for a small model; its pages are only touched as
 they are used). Each request has a sequence in it (``Request.draft_seq``) kept in step with the request's tokens:
-when the scheduler asks for drafts, it is rewound to where it agrees with the tokens (past the guesses the target
-did not keep) and runs the rest (the tokens the target kept, and its next one) as one chunk, whose last row's argmax is
+it reads a greedy request's prompt in the scheduler step that runs the prompt's last chunk (``prefill``), and when
+the scheduler asks for drafts, it is rewound to where it agrees with the tokens (past the guesses the target did
+not keep) and runs the rest (the tokens the target kept, and its next one) as one chunk, whose last row's argmax is
 the first guess; each further guess is a decode step. A draft ends at the first guess whose probability under the
 draft model (the softmax of its logits) is below ``p_min``, as llama.cpp's ``--draft-p-min`` ends it: a guess the
 draft is unsure of is seldom the target's, and each costs the draft a step and the target a row. The requests of a
@@ -66,6 +67,23 @@ class DraftModel(Guesser):
         if request.draft_seq is not None:
             self.engine.release(request.draft_seq.seq)
             request.draft_seq = None
+
+    def prefill(self, asks: Sequence[tuple[Request, int]]) -> None:
+        """Each request's sequence caught up with all its tokens (no logits), batched over the requests, so that
+        its first draft runs only the next token; none for a request the draft model cannot hold with that draft
+        (its KV blocks taken now, for it)."""
+        engine = self.engine
+        runs: list[tuple[SeqState, list[int]]] = []
+        for request, k in asks:
+            tokens = request.tokens
+            if self.offers(request):
+                seq = self._in_step(request, len(tokens))
+                # the positions of its first draft: the tokens, the next one, k - 1 guesses, within the context
+                if engine.pool.reserve(seq.cache, len(tokens) + min(k, engine.config.max_position - len(tokens))):
+                    runs.append((seq, tokens[len(seq.tokens) :]))
+        last = [(seq, rest, 0) for (seq, _), rest in zip(runs, self._run_long(runs)) if rest]
+        if last:
+            engine.run_batch(last)
 
     def drafts(self, asks: Sequence[tuple[Request, int]]) -> list[list[int]]:
         """Each request's guesses: its sequence caught up with its tokens, then greedy decode steps, batched over

@@ -23,7 +23,8 @@ the request's sequence is freed once that step is in.
 With ``Engine.speculate`` set, where sequences rewind (``Engine.rewinds``), a greedy request's decode row is
 followed by up to that many guessed tokens, within the token budget every decode row and prompt chunk left: from its
 context, or from ``Engine.draft_model`` where one is set (the ``Guesser``, kestrel_core.model.speculate, asked for
-the step's requests together); the step keeps each row's argmax while the guesses agree, and the sequence is rewound
+the step's requests together, and given a greedy request's tokens in the step of its prompt's last chunk, to read
+beside it); the step keeps each row's argmax while the guesses agree, and the sequence is rewound
 past the first that does not. While a greedy request may get a guess, the batch's steps are not fed (a guess needs
 the tokens before it), so they are not the backend's pipelined greedy decode.
 
@@ -456,7 +457,10 @@ class Scheduler(LoneDecode):
         """Drafts after the next token of each greedy request of ``work`` (``request.draft``, its chunk then
         carrying them), asked of the guesser together: up to ``speculate`` tokens within its ``max_tokens`` and
         the context, then, in ``work``'s order, within the ``budget`` of tokens the step has left and the KV
-        blocks free now (a guess never preempts anyone)."""
+        blocks free now (a guess never preempts anyone). The greedy requests whose prompt's last chunk this step
+        runs are the guesser's to read beside it (``Guesser.prefill``), not at their first draft."""
+        self.guesser.prefill([(r, self.speculate) for r, _, rows in work if rows and r.argmax_only
+                              and not self._decoding_greedily(r) and r.params.max_tokens - len(r.output_ids) > 2])
         asks = [(i, request, min(self.speculate, budget, request.params.max_tokens - len(request.output_ids) - 1,
                                  self.engine.config.max_position - len(request.tokens) - 1))
                 for i, (request, _, _) in enumerate(work) if self._decoding_greedily(request)]

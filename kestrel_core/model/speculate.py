@@ -86,6 +86,11 @@ class Guesser:
         first j tokens of a draft are the draft that asking for j gives (the scheduler may keep fewer)."""
         raise NotImplementedError
 
+    def prefill(self, asks: Sequence[tuple[Request, int]]) -> None:
+        """The coming step runs the last chunk of each (request, k)'s prompt, a greedy request that may be asked
+        for up to ``k`` tokens after the token that step gives: what its first draft needs of its tokens may be
+        read now, not in the step after."""
+
     def checked(self, request: Request, kept: int) -> None:
         """The model confirmed ``kept`` tokens of ``request``'s last draft (its tokens are up to date)."""
 

@@ -214,6 +214,33 @@ def test_a_p_min_outside_0_to_1_is_one_line() -> None:
         assert engine.draft_model is None
 
 
+def test_the_draft_reads_a_greedy_prompt_in_the_step_of_its_last_chunk() -> None:
+    """The draft's sequence of a greedy request holds its prompt once the step that ran the prompt's last chunk is
+    in (its first draft then runs the next token alone), and none before; a sampled request, and one whose
+    max_tokens leaves no room for a draft after its first token, get no sequence."""
+    with kestrel_core.load(str(TARGET), backend="cpu") as engine:
+        prompt = np.random.default_rng(1).integers(3, engine.config.vocab_size, 40).tolist()  # steps of 16 tokens
+        requests = [
+            (prompt, SamplingParams(max_tokens=20, ignore_eos=True)),
+            (prompt[:10], SamplingParams(max_tokens=20, temperature=0.9, seed=1)),
+            (prompt[:12], SamplingParams(max_tokens=2, ignore_eos=True)),
+        ]
+        plain, _ = _run(engine, 0, requests)
+        attach_draft_model(engine, str(FIXTURES / "tiny-llama"), p_min=0)
+        engine.speculate = 3
+        scheduler = Scheduler(engine, max_batch=3, token_budget=16)
+        greedy, sampled, short = [scheduler.add(ids, params) for ids, params in requests]
+        while not greedy.output_ids:
+            assert greedy.draft_seq is None
+            scheduler.step()
+            assert sampled.draft_seq is None and short.draft_seq is None
+        assert greedy.draft_seq.seq.tokens == greedy.prompt_ids and len(greedy.output_ids) == 1
+        while scheduler.has_work:
+            scheduler.step()
+        engine.speculate = 0
+        assert [r.output_ids for r in (greedy, sampled, short)] == plain and scheduler.drafted > 0
+
+
 def test_a_drafts_sequence_is_freed_when_its_request_is_aborted() -> None:
     with kestrel_core.load(str(TARGET), backend="cpu") as engine:
         drafter = attach_draft_model(engine, str(FIXTURES / "tiny-llama"), p_min=0)
