@@ -2,9 +2,11 @@
 the default model (or ``--model``) without it and with 4 and 8 draft tokens, runs alternating, on a task whose
 answer repeats its prompt (edit this code) and one whose answer does not (a story), at 1 and 4 concurrent streams;
 with the acceptance rate, and a check that every setting gives the same tokens. With ``--draft-model``, also 4 and 8
-draft tokens from that model's guesses (``--draft-model``, kestrel_core/model/draft_model.py) in the same runs.
+draft tokens from that model's guesses (``--draft-model``, kestrel_core/model/draft_model.py) in the same runs, each
+with the draft's probability cutoff (``--draft-p-min``, default 0.75) and without one (p_min 0).
 
     python benchmarks/speculate.py [--tokens 128] [--runs 3] [--backend cpu] [--model M] [--draft-model D]
+        [--draft-p-min P]
 
 With ``--preset`` (random weights, no text), what a guess costs and gains on the backend: a random prompt's
 greedy answer without guesses, then with drafts of k tokens that are all right (the answer's next ones: the
@@ -30,7 +32,7 @@ from kestrel_core.model.draft_model import DraftModel, attach_draft_model
 from kestrel_core.model.engine_load import load_preset
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
-from kestrel_core.model.speculate import PromptLookup
+from kestrel_core.model.speculate import DRAFT_P_MIN, PromptLookup
 
 CODE = '''def load(path):
     with open(path) as f:
@@ -140,6 +142,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--model", default=None, help="the model (default: the default model)")
     ap.add_argument("--draft-model", default=None, help="a draft model of the same vocabulary: its guesses too")
+    ap.add_argument("--draft-p-min", type=float, default=DRAFT_P_MIN,
+                    help="the draft model's probability cutoff, beside none (p_min 0)")
     args = ap.parse_args()
     if args.preset:
         with load_preset(args.preset, backend=args.backend, quant=args.quant) as engine:
@@ -150,8 +154,10 @@ def main() -> int:
         settings: list[tuple[str, int, DraftModel | None]] = [("off", 0, None), ("prompt lookup 4", 4, None),
                                                               ("prompt lookup 8", 8, None)]
         if args.draft_model:
-            draft = attach_draft_model(engine, args.draft_model)
-            settings += [("draft model 4", 4, draft), ("draft model 8", 8, draft)]
+            draft = attach_draft_model(engine, args.draft_model, p_min=args.draft_p_min)
+            uncut = DraftModel(draft.engine, engine.config.vocab_size, p_min=0)  # the same model's engine
+            settings += [(f"draft {k}, p_min {args.draft_p_min:g}", k, draft) for k in (4, 8)]
+            settings += [(f"draft {k}, p_min 0", k, uncut) for k in (4, 8)]
         for task, text in TASKS.items():
             ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
             room = engine.config.max_position - args.tokens - 1
@@ -177,7 +183,7 @@ def main() -> int:
                 for name, values in rates.items():
                     drafted, accepted = kept[name]
                     share = f", {accepted}/{drafted} drafts kept" if drafted else ""
-                    print(f"  {name:>15}: {statistics.median(values):7.1f} tok/s "
+                    print(f"  {name:>20}: {statistics.median(values):7.1f} tok/s "
                           f"(runs {', '.join(f'{v:.1f}' for v in values)}){share}")
     return 0
 
