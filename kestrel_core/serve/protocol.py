@@ -47,7 +47,8 @@ from kestrel_core.model.grammar import json_schema_grammar
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kestrel_core.serve.errors import APIError, param_path
 from kestrel_core.serve.guided import GUIDED_FIELDS, REFUSED_FIELDS, guided_grammar
-from kestrel_core.serve.tools import HARMONY, UNKNOWN, ToolCalls, call_grammar
+from kestrel_core.serve.tool_grammar import call_grammar
+from kestrel_core.serve.tools import HARMONY, UNKNOWN, ToolCalls
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
 MAX_CHOICES = 128  # n, at most (OpenAI's bound)

@@ -17,7 +17,8 @@ request keeping the control tokens' text),
 ``harmony`` (gpt-oss: a message to ``functions.NAME``, read with the answer's channels by
 kestrel_core.model.harmony); None where the template never reads ``tools``. ``parse`` splits a whole answer into its
 content and its calls; ``ToolStream`` does the same for a stream, sending content as soon as it cannot be the start
-of a call. An answer whose calls do not parse (bad JSON, a missing name) is content, as it came.
+of a call. An answer whose calls do not parse (bad JSON, a missing name) is content, as it came. The grammars that
+force calls in these formats are serve/tool_grammar.py's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,7 +36,6 @@ import jinja2.meta
 
 from kestrel_core.model.chat_template import TEMPLATE_EXTENSIONS
 from kestrel_core.model.detokenize import partial_suffix
-from kestrel_core.model.grammar import lark_grammar, lark_json
 from kestrel_core.model.harmony import ToolCall, is_harmony
 
 HERMES, XML, GLM, GLM_COMPACT, MINIMAX, APRIEL, MISTRAL, MISTRAL_ARGS, LLAMA3, HARMONY, UNKNOWN = (
@@ -227,8 +227,8 @@ def _typed_call(name: str, body: str, parameter: re.Pattern[str], schemas: dict[
     if not name or parameter.sub("", body).strip():
         return None  # text beside the parameters: not a call kestrel can read whole
     schema = schemas.get(name) or {}
-    properties, defs = schema.get("properties") or {}, _defs(schema)
-    arguments = {key.strip(): _typed(value, _deref(properties.get(key.strip()), defs), defs)
+    properties, defs = schema.get("properties") or {}, schema_defs(schema)
+    arguments = {key.strip(): _typed(value, dereferenced(properties.get(key.strip()), defs), defs)
                  for key, value in parameter.findall(body)}
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
@@ -254,7 +254,7 @@ def _typed(value: str, schema: Any, defs: dict[str, Any]) -> Any:
     kind = schema.get("type") if isinstance(schema, dict) else None
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), None)
-    if kind == "string" or kind is None and not _composite(schema, defs):
+    if kind == "string" or kind is None and not is_composite(schema, defs):
         return value
     text = value.strip()
     if text == "null":
@@ -272,13 +272,14 @@ def _typed(value: str, schema: Any, defs: dict[str, Any]) -> Any:
         return value
 
 
-def _composite(schema: Any, defs: dict[str, Any]) -> bool:
+def is_composite(schema: Any, defs: dict[str, Any]) -> bool:
     """A schema without a top-level ``type`` whose values are JSON, not text: pydantic's Optional[int] (an
     ``anyOf`` of integer and null), an enum of numbers. One that admits a string (Optional[str]) is text, as
     a model writes a string's value."""
     if not isinstance(schema, dict):
         return False
-    members = [_deref(m, defs) for k in ("anyOf", "oneOf", "allOf") for m in schema.get(k) or () if isinstance(m, dict)]
+    members = [dereferenced(m, defs) for k in ("anyOf", "oneOf", "allOf") for m in schema.get(k) or ()
+               if isinstance(m, dict)]
     if members:
         kinds = [m.get("type") for m in members]
         return not any(k == "string" or isinstance(k, list) and "string" in k for k in kinds)
@@ -286,44 +287,26 @@ def _composite(schema: Any, defs: dict[str, Any]) -> bool:
     return bool(values) and not all(isinstance(v, str) for v in values)
 
 
-_DEF_PREFIXES = ("#/$defs/", "#/definitions/")
+DEF_PREFIXES = ("#/$defs/", "#/definitions/")
 
 
-def _defs(schema: Any) -> dict[str, Any]:
+def schema_defs(schema: Any) -> dict[str, Any]:
     """The definitions a function's parameters schema names with ``$ref`` (pydantic's ``$defs``; ``definitions``)."""
     if not isinstance(schema, dict):
         return {}
     return {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
 
 
-def _deref(schema: Any, defs: dict[str, Any]) -> Any:
+def dereferenced(schema: Any, defs: dict[str, Any]) -> Any:
     """``schema`` with a local ``$ref`` (a chain of them) replaced by the definition it names, its other keys kept:
     what a property of a pydantic model's type or enum says it is."""
     for _ in range(len(defs) + 1):
         ref = schema.get("$ref") if isinstance(schema, dict) else None
-        name = next((ref[len(p):] for p in _DEF_PREFIXES if isinstance(ref, str) and ref.startswith(p)), None)
+        name = next((ref[len(p):] for p in DEF_PREFIXES if isinstance(ref, str) and ref.startswith(p)), None)
         if name is None or not isinstance(defs.get(name), dict):
             return schema
         schema = {**defs[name], **{k: v for k, v in schema.items() if k != "$ref"}}
     return schema
-
-
-def _hoisted(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
-    """``schema`` without its definitions, its ``$ref``s renamed ``#/$defs/<prefix><name>``, and those definitions so
-    renamed: to sit under one root ``$defs`` beside other functions' (the grammar's root is not the schema's)."""
-    def rename(node: Any) -> Any:
-        if isinstance(node, list):
-            return [rename(v) for v in node]
-        if not isinstance(node, dict):
-            return node
-        out = {k: rename(v) for k, v in node.items() if k not in ("$defs", "definitions")}
-        ref = node.get("$ref")
-        for p in _DEF_PREFIXES:
-            if isinstance(ref, str) and ref.startswith(p):
-                out["$ref"] = f"#/$defs/{prefix}{ref[len(p):]}"
-        return out
-
-    return rename(schema), {f"{prefix}{name}": rename(d) for name, d in _defs(schema).items()}
 
 
 def _leading_json(text: str, fmt: str, offered: Container[str] | None) -> Parsed | None:
@@ -412,120 +395,6 @@ class ToolStream:
         if not parsed.calls:
             return self.text[self.sent:], ()
         return (parsed.content or "")[self.sent:], parsed.calls
-
-
-def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool,
-                 control_ids: Mapping[str, int] | None = None) -> str:
-    """The grammar of answers that are calls, in format ``fmt``, of the ``functions`` (OpenAI's ``function``
-    objects: a name, and a JSON Schema of its arguments as ``parameters``): one call, or with ``many`` one or
-    more. ``control_ids``: the ids of Mistral's control tokens (TOOL_CALLS, ARGS) the vocabulary has (one it
-    lacks is text)."""
-    def control(token: str) -> str:
-        return f"<[{control_ids[token]}]>" if control_ids and token in control_ids else json.dumps(token)
-
-    if fmt in _MARKUP:
-        return lark_grammar(_markup_grammar(_MARKUP[fmt], functions, many), param="tool_choice")
-    if fmt == MISTRAL_ARGS:
-        return lark_grammar(_mistral_args_grammar(functions, many, control), param="tool_choice")
-    key = "parameters" if fmt == LLAMA3 else "arguments"
-    members, defs = [], {}
-    for i, f in enumerate(functions):
-        parameters, own = _hoisted(f.get("parameters") or {"type": "object"}, f"f{i}_")
-        members.append({"type": "object", "additionalProperties": False, "required": ["name", key],
-                        "properties": {"name": {"const": f["name"]}, key: parameters}})
-        defs.update(own)
-    call = lark_json({"anyOf": members, **({"$defs": defs} if defs else {})})
-    if fmt == HERMES:
-        start = 'block ("\\n" block)*' if many else "block"
-        rules = f'block: "{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"\n'
-    elif fmt == APRIEL:  # one block of the list, as the template writes an earlier turn's calls
-        more = ' (", " call)*' if many else ""
-        start, rules = f'"{APRIEL_OPEN}[" call{more} "]{APRIEL_CLOSE}"', ""
-    elif fmt == LLAMA3:
-        start, rules = ('call ("; " call)*' if many else "call"), ""
-    else:
-        more = ' (", " call)*' if many else ""
-        start, rules = f'{control(TOOL_CALLS)} " "? "[" call{more} "]"', ""
-    return lark_grammar(f"start: {start}\n{rules}call: {call}\n", param="tool_choice")
-
-
-def _mistral_args_grammar(functions: Sequence[dict[str, Any]], many: bool, control: Callable[[str], str]) -> str:
-    """The Lark text of mistral-args calls of ``functions``, spelled as their templates write them, less the call
-    id that Mistral-Small-3.2's writes before ``[ARGS]`` (the server gives each call its own)."""
-    rules, calls = [], []
-    for i, f in enumerate(functions):
-        parameters, defs = _hoisted(f.get("parameters") or {"type": "object"}, "")
-        rules.append(f'call{i}: {control(TOOL_CALLS)} {json.dumps(f["name"])} {control(ARGS)} args{i}')
-        rules.append(f"args{i}: {lark_json({**parameters, '$defs': defs} if defs else parameters)}")
-        calls.append(f"call{i}")
-    return f"start: call{'+' if many else ''}\ncall: {' | '.join(calls)}\n" + "\n".join(rules) + "\n"
-
-
-@dataclass(frozen=True)
-class _Markup:
-    """How the xml, glm and minimax formats spell a call: a block's start and end around its call, the call's start
-    (with the function's name) and end, a parameter's start (with its key) and the end after a JSON or literal
-    value; a string value runs to ``stop`` (the end's first tag), then ``newline``, which also separates blocks."""
-
-    block_open: str
-    block_close: str
-    call_open: str
-    call_close: str
-    param_open: str
-    param_close: str
-    stop: str
-    newline: str = "\n"
-
-
-_MARKUP = {XML: _Markup(f"{HERMES_OPEN}\n", f"\n{HERMES_CLOSE}", "<function={name}>\n", "</function>",
-                        "<parameter={key}>\n", "\n</parameter>\n", "</parameter>"),
-           GLM: _Markup("", "", f"{HERMES_OPEN}{{name}}\n", HERMES_CLOSE,
-                        "<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n", "</arg_value>"),
-           GLM_COMPACT: _Markup("", "", f"{HERMES_OPEN}{{name}}", HERMES_CLOSE, "<arg_key>{key}</arg_key><arg_value>",
-                                "</arg_value>", "</arg_value>", ""),
-           MINIMAX: _Markup(f"{MINIMAX_OPEN}\n", f"\n{MINIMAX_CLOSE}", '<invoke name="{name}">\n', "</invoke>",
-                            '<parameter name="{key}">', "</parameter>\n", "</parameter>")}
-
-
-def _markup_grammar(m: _Markup, functions: Sequence[dict[str, Any]], many: bool) -> str:
-    """The Lark text of the call blocks of ``functions`` spelled as ``m``: each function's parameters in its schema's
-    order, the required ones always; a string's value one of its enum, else text up to the first ``m.stop`` (as
-    ``parse`` reads it) of at most its maxLength (other string keywords are not kept), another's JSON of its
-    schema."""
-    def lit(text: str) -> str:
-        return json.dumps(text, ensure_ascii=False)
-
-    nl = f" {lit(m.newline)}" if m.newline else ""
-    rules, calls = [], []
-    for i, f in enumerate(functions):
-        schema, defs = _hoisted(f.get("parameters") or {}, "")
-        required = set(schema.get("required") or ())
-        items = []
-        for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-            prop = _deref(prop, defs)  # an enum's or a model's own type
-            kind = prop.get("type") if isinstance(prop, dict) else None
-            choices = prop.get("enum") if isinstance(prop, dict) else None
-            start = lit(m.param_open.format(key=key))
-            if kind == "string" and choices and all(isinstance(c, str) for c in choices):
-                item = f'{start} ({" | ".join(lit(c) for c in choices)}) {lit(m.param_close)}'
-            elif kind == "string" and isinstance(prop.get("maxLength"), int) and prop["maxLength"] >= 0:
-                rules.append(f'v{i}_{j}[stop={lit(m.stop)}]: /(.|\\n){{0,{prop["maxLength"] + 1}}}/')
-                item = f"{start} v{i}_{j}{nl}"  # the value, and the newline after its end
-            elif kind == "string" or kind is None and not _composite(prop, defs) or isinstance(kind, list) \
-                    and "string" in kind:
-                item = f"{start} text{nl}"
-            else:
-                rules.append(f"v{i}_{j}: {lark_json({**prop, '$defs': defs} if defs else prop)}")
-                item = f"{start} v{i}_{j} {lit(m.param_close)}"
-            items.append(item if key in required else f"({item})?")
-        rules.append(f'call{i}: {lit(m.call_open.format(name=f["name"]))} {" ".join(items)} {lit(m.call_close)}')
-        calls.append(f"call{i}")
-    start = ("block+" if not nl else f"block ({nl.strip()} block)*") if many else "block"
-    block = f'({" | ".join(calls)})'
-    if m.block_open:
-        block = f"{lit(m.block_open)} {block} {lit(m.block_close)}"
-    return (f"start: {start}\nblock: {block}\n" + "\n".join(rules) +
-            f'\ntext[stop={lit(m.stop)}]: /(.|\\n)*/\n')
 
 
 @dataclass(frozen=True)

@@ -287,7 +287,7 @@ def _admits(grammar: str, text: str) -> bool:
 def test_a_glm_grammar_admits_the_calls_parse_reads_and_no_others(fmt: str) -> None:
     """tool_choice "required" in GLM's format, spelled as the template writes it: a string value up to
     </arg_value>, JSON of the other types, the required parameters always, the functions offered only."""
-    from kestrel_core.serve.tools import call_grammar
+    from kestrel_core.serve.tool_grammar import call_grammar
 
     compact = fmt == GLM_COMPACT
     schemas = {f["name"]: f.get("parameters") or {} for f in FUNCTIONS}
@@ -306,7 +306,7 @@ def test_a_glm_grammar_admits_the_calls_parse_reads_and_no_others(fmt: str) -> N
 def test_an_xml_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
     """tool_choice "required" in Qwen3.5's format: the grammar takes any string value up to </parameter>, JSON of
     the other types, the required parameters always, the functions offered only; what it admits parses back."""
-    from kestrel_core.serve.tools import call_grammar
+    from kestrel_core.serve.tool_grammar import call_grammar
 
     schemas = {f["name"]: f.get("parameters") or {} for f in FUNCTIONS}
     grammar = call_grammar(XML, FUNCTIONS, many=True)
@@ -320,7 +320,7 @@ def test_an_xml_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
 def test_a_minimax_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
     """tool_choice "required" in MiniMax-M2's format: a string value up to </parameter>, JSON of the other types, the
     required parameters always, the functions offered only; what it admits parses back."""
-    from kestrel_core.serve.tools import call_grammar
+    from kestrel_core.serve.tool_grammar import call_grammar
 
     schemas = {f["name"]: f.get("parameters") or {} for f in FUNCTIONS}
     grammar = call_grammar(MINIMAX, FUNCTIONS, many=True)
@@ -335,7 +335,7 @@ def test_a_minimax_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
 def test_a_mistral_args_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
     """tool_choice "required" in the newer Mistral templates' spelling: each call its own [TOOL_CALLS], a name,
     [ARGS] and JSON its schema accepts; what it admits parses back."""
-    from kestrel_core.serve.tools import call_grammar
+    from kestrel_core.serve.tool_grammar import call_grammar
 
     grammar = call_grammar(MISTRAL_ARGS, FUNCTIONS, many=True)
     good = ['[TOOL_CALLS]f[ARGS]{"s": "x", "i": 3, "e": "y"}', '[TOOL_CALLS]f[ARGS]{"s": "x"}[TOOL_CALLS]g[ARGS]{}']
@@ -352,7 +352,7 @@ def test_a_mistral_args_grammar_admits_the_calls_parse_reads_and_no_others() -> 
 def test_an_apriel_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
     """tool_choice "required" in Apriel's format: one <tool_calls> block of a list of calls, as its template writes
     an earlier turn's, each of an offered function with arguments its schema accepts; what it admits parses back."""
-    from kestrel_core.serve.tools import call_grammar
+    from kestrel_core.serve.tool_grammar import call_grammar
 
     grammar = call_grammar(APRIEL, FUNCTIONS, many=True)
     good = ['<tool_calls>[{"name": "f", "arguments": {"s": "x", "i": 3, "e": "y"}}]</tool_calls>',
@@ -394,7 +394,7 @@ def test_apriels_calls_are_read_as_its_real_template_writes_them(name: str) -> N
 def test_a_hermes_string_argument_may_hold_the_closing_tag() -> None:
     """The call grammar admits any JSON string, "</tool_call>" included (a sampled answer wrote one): the block
     ends where its JSON does."""
-    from kestrel_core.serve.tools import call_grammar
+    from kestrel_core.serve.tool_grammar import call_grammar
 
     args = {"city": "+s1}}</tool_call>-<tool_call>get_weather"}
     text = "<tool_call>\n" + json.dumps({"name": "f", "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
@@ -500,7 +500,7 @@ def _pydantic_tools() -> list[dict]:
 def test_a_forced_call_of_a_pydantic_model_with_refs_takes_its_definitions(fmt: str) -> None:
     """The definitions stay reachable from the grammar's root, which is not the function's schema; the markup
     formats type a model's value as the object it is."""
-    from kestrel_core.serve.tools import call_grammar
+    from kestrel_core.serve.tool_grammar import call_grammar
 
     functions = _pydantic_tools()
     assert "$defs" in functions[0]["parameters"]
