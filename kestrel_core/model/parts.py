@@ -116,7 +116,7 @@ class PartStream:
     comes looks only at its end (``recent``), which keeps the text from where the last part's settled text ends,
     or from MARGIN characters back (where a marker may start)."""
 
-    MARGIN = 16  # more than any marker's length
+    MARGIN = 32  # more than any marker's length (Cohere's are 18 characters)
 
     def __init__(self) -> None:
         self.pieces: list[str] = []  # the answer's text as it came

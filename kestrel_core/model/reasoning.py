@@ -1,6 +1,8 @@
 """Reasoning in chat answers: a model whose chat template teaches a reasoning block answers with its reasoning
-first, in ``<think>...</think>`` (Qwen3, QwQ, DeepSeek-R1's distills) or Mistral's ``[THINK]...[/THINK]``
-control tokens (Magistral, Ministral 3 Reasoning: MISTRAL_THINK). The server returns that block's text as the
+first, in ``<think>...</think>`` (Qwen3, QwQ, DeepSeek-R1's distills), Mistral's ``[THINK]...[/THINK]``
+control tokens (Magistral, Ministral 3 Reasoning: MISTRAL_THINK) or Cohere's ``<|START_THINKING|>...<|END_THINKING|>``
+special tokens (Command R7B, Command A: COHERE_THINK, whose content is a ``<|START_RESPONSE|>...<|END_RESPONSE|>``
+block, its tags no text of it, as llama.cpp's command_r7b parser reads it). The server returns that block's text as the
 message's ``reasoning_content`` (DeepSeek's and vLLM's field) and what follows as its ``content``, where tool calls
 are read (serve/tools.py); ``kestrel run`` and ``chat`` show it apart from the answer (model/commands.py).
 gpt-oss's channels are kestrel_core.model.harmony's.
@@ -31,14 +33,17 @@ from kestrel_core.model.parts import CONTENT, REASONING, Part, PartStream, Settl
 class Markers:
     """How a reasoning block is spelled: its ``open`` and ``close`` tags; ``call``: a tool call's tag that ends the
     block where no close tag comes (None: only the close tag ends it); ``control``: the tags are special tokens
-    (Mistral's control tokens), whose text an answer keeps only where its special tokens' text is kept, and an
-    earlier answer's reasoning goes back to the template as a ``thinking`` content block (Mistral's templates read
-    it there, not from ``reasoning_content``)."""
+    (Mistral's control tokens, Cohere's), whose text an answer keeps only where its special tokens' text is kept;
+    ``thinking_block``: an earlier answer's reasoning goes back to the template as a ``thinking`` content block
+    (Mistral's templates read it there, not from ``reasoning_content``); ``response``: the open and close tags of the
+    block the content is in (Cohere's), which are no text of the content (the prompt may have opened it)."""
 
     open: str
     close: str
     call: str | None = None
     control: bool = False
+    thinking_block: bool = False
+    response: tuple[str, str] | None = None
 
     @property
     def longest(self) -> int:
@@ -47,7 +52,9 @@ class Markers:
 
 
 THINK = Markers("<think>", "</think>", call="<tool_call>")
-MISTRAL_THINK = Markers("[THINK]", "[/THINK]", control=True)
+MISTRAL_THINK = Markers("[THINK]", "[/THINK]", control=True, thinking_block=True)
+COHERE_THINK = Markers("<|START_THINKING|>", "<|END_THINKING|>", control=True,
+                       response=("<|START_RESPONSE|>", "<|END_RESPONSE|>"))
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,7 @@ def reasoning_markers(template: str | None) -> Markers | None:
     """The reasoning block the chat template teaches (it writes the block's close tag); None: it teaches none."""
     if not template:
         return None
-    return next((m for m in (THINK, MISTRAL_THINK) if m.close in template), None)
+    return next((m for m in (THINK, MISTRAL_THINK, COHERE_THINK) if m.close in template), None)
 
 
 def thinks(template: str | None) -> bool:
@@ -92,18 +99,34 @@ def opens_in_prompt(prompt: str, markers: Markers = THINK) -> bool:
 
 def split_parts(text: str, open_in_prompt: bool = False, markers: Markers = THINK) -> list[Part]:
     """A whole answer's parts: its reasoning block's (its text stripped), then what follows (its start's whitespace
-    left out); an answer without a block is all content, as it came."""
+    left out); an answer without a block is all content, as it came. Where the content is in a response block
+    (``markers.response``), its tags are left out, and what follows the block too."""
     head = text.lstrip()
     if head.startswith(markers.open):  # where the prompt opened the block too: the tag may come again
         start = len(text) - len(head) + len(markers.open)
     elif open_in_prompt:
         start = 0
     else:
-        return [Part(CONTENT, 0, len(text), 0, text)]
+        return [_content(text, 0, markers, follows_block=False)]
     end, after = _end(text[start:], markers)
     if end < 0:
         return [trimmed(REASONING, text, start, len(text))]
-    return [trimmed(REASONING, text, start, start + end), trimmed(CONTENT, text, start + after, len(text), trail=False)]
+    return [trimmed(REASONING, text, start, start + end), _content(text, start + after, markers, follows_block=True)]
+
+
+def _content(text: str, start: int, markers: Markers, follows_block: bool) -> Part:
+    """The content from ``start`` on: past its start's whitespace where it ``follows_block`` (else as it came), and
+    past a response block's open tag that comes first after that whitespace; up to the response block's close tag."""
+    rest = text[start:].lstrip()
+    lead = len(text) - len(rest)
+    first, end = lead if follows_block else start, len(text)
+    if markers.response is not None:
+        opener, closer = markers.response
+        if rest.startswith(opener):
+            first = lead + len(opener)
+        close = text.find(closer, first)
+        end = close if close >= 0 else end
+    return Part(CONTENT, start, end, first, text[first:end])
 
 
 def split(text: str, open_in_prompt: bool = False, markers: Markers = THINK) -> tuple[str | None, str]:
@@ -139,7 +162,9 @@ class ReasoningStream(PartStream):
         self.held: Settled | None = None  # the open block up to its first <tool_call>: the rest waits for </think>
         self.after = 0  # where the content after the block starts
         self.content_scan = 0  # where the content's leading whitespace may go on from
-        self.content_lead: int | None = None  # where the content's text starts past that whitespace
+        self.content_lead: int | None = None  # where the content's text starts past that whitespace (and a tag)
+        self.end_scan = 0  # where the response block's close tag may still start (less its length)
+        self.content_end: int | None = None  # where the content ends, once that tag has come
 
     def whole(self) -> list[Part]:
         return split_parts(self.text, self.open_in_prompt, self.markers)
@@ -149,19 +174,46 @@ class ReasoningStream(PartStream):
         if self.body is None and not self.all_content and not self._decide():
             return []
         if self.all_content:
-            return [Settled(CONTENT, 0, self.length, 0, self.length)]
+            if self.markers.response is None:
+                return [Settled(CONTENT, 0, self.length, 0, self.length)]
+            return [self._content(follows_block=False)]
         if self.block is None:
             block = self._read_block()
             if self.block is None:
                 return [block]
+        return [self.block, self._content(follows_block=True)]
+
+    def _content(self, follows_block: bool) -> Settled:
+        """The content from ``after`` on as far as the text so far settles it (``split_parts``' content): its text
+        starts once what comes first past the whitespace says whether it opens a response block, and it ends at that
+        block's close tag, short of what may be its start meanwhile."""
+        opener = self.markers.response[0] if self.markers.response else None
         if self.content_lead is None:
-            rest = self.slice(self.content_scan, self.length)
-            stripped = rest.lstrip()
-            self.content_scan = self.length
-            if stripped:
-                self.content_lead = self.length - len(stripped)
-        first = self.length if self.content_lead is None else self.content_lead
-        return [self.block, Settled(CONTENT, self.after, self.length, first, self.length)]
+            stripped = self.slice(self.content_scan, self.length).lstrip()
+            self.content_scan = self.length - len(stripped)  # whitespace is read once
+            if stripped and not (opener and len(stripped) < len(opener) and opener.startswith(stripped)):
+                lead = self.content_scan if follows_block else self.after
+                self.content_lead = self.content_scan + len(opener) if opener and stripped.startswith(opener) else lead
+        if self.content_lead is None:
+            return Settled(CONTENT, self.after, self.length, self.length, self.length)
+        end = self._content_end(self.content_lead)
+        return Settled(CONTENT, self.after, end, self.content_lead, end)
+
+    def _content_end(self, first: int) -> int:
+        """Where the content from ``first`` ends as far as the text so far says: at the response block's close tag,
+        else short of what may start it (a tag starts where no earlier feed could have seen all of it)."""
+        if self.markers.response is None:
+            return self.length
+        if self.content_end is None:
+            closer = self.markers.response[1]
+            seen = max(first, self.end_scan - len(closer) + 1)
+            new = self.slice(seen, self.length)
+            at = new.find(closer)
+            if at < 0:
+                self.end_scan = self.length
+                return self.length - partial_suffix(new, (closer,))
+            self.content_end = seen + at
+        return self.content_end
 
     def _decide(self) -> bool:
         """Whether the answer's start says if it has a block (where its text starts, or that it has none), as

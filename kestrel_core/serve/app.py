@@ -137,7 +137,7 @@ class Served:
             return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
 
         try:
-            thinking_blocks = self.reasoning_markers is not None and self.reasoning_markers.control
+            thinking_blocks = self.reasoning_markers is not None and self.reasoning_markers.thinking_block
             messages = body.template_messages(self.harmony, thinking_blocks)
             prompt, prompt_ids = render(messages)
             if truncate and self.context_left(len(prompt_ids)) < 1:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kestrel_core.model.reasoning import (
+    COHERE_THINK,
     MISTRAL_THINK,
     THINK,
     ReasoningStream,
@@ -132,6 +133,7 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "templates"
     ("mistralai-Ministral-3-14B-Reasoning-2512.jinja", MISTRAL_THINK),  # [THINK]...[/THINK], its control tokens
     ("unsloth-Apriel-1.5.jinja", None),  # "[BEGIN FINAL RESPONSE]" and an unused <thinking>: not read
     ("Apriel-1.6-15b-Thinker-fixed.jinja", None),
+    ("CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja", COHERE_THINK),  # its special tokens
 ])
 def test_the_reasoning_a_real_template_teaches(name: str, markers: object) -> None:
     assert reasoning_markers((TEMPLATES / name).read_text()) == markers
@@ -158,3 +160,48 @@ def test_a_mistral_reasoning_block_whole_and_streamed(text: str, expected_split:
     whole = split_parts(text, markers=MISTRAL_THINK)
     for chunks in chunkings(text, random.Random(text)):
         assert streamed(ReasoningStream(markers=MISTRAL_THINK), chunks, whole) == expected(whole), chunks
+
+
+# Cohere's Command R7B and Command A, as llama.cpp's command_r7b parser reads them: a <|START_THINKING|> block, then
+# a call block or a response block, whose tags are no text of the content (the prompt may have opened either)
+THINKING, RESPONSE = "<|START_THINKING|>{}<|END_THINKING|>", "<|START_RESPONSE|>{}<|END_RESPONSE|>"
+ACTION = '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": {}}]<|END_ACTION|>'
+COHERE_CASES = [
+    (THINKING.format("I will look it up.") + ACTION, False, ("I will look it up.", ACTION)),
+    (RESPONSE.format("Paris."), False, (None, "Paris.")),
+    (THINKING.format("Easy.") + "\n" + RESPONSE.format("Paris is the capital."), False,
+     ("Easy.", "Paris is the capital.")),
+    ("Paris.<|END_RESPONSE|>", False, (None, "Paris.")),  # the prompt opened the response block
+    ("Paris.", False, (None, "Paris.")),
+    ("\n" + RESPONSE.format(" two  spaces "), False, (None, " two  spaces ")),
+    (RESPONSE.format("a") + "after its end", False, (None, "a")),
+    ("<|START_THINKING|>cut off", False, ("cut off", "")),
+    ("I plan.<|END_THINKING|>" + RESPONSE.format("Done"), True, ("I plan.", "Done")),  # the prompt opened it
+    (THINKING.format("a") + "<|START_RESPONSE|>cut off", False, ("a", "cut off")),
+    ("<|START_RES", False, (None, "<|START_RES")),
+    ("<|START_RESPONSE|", False, (None, "<|START_RESPONSE|")),
+    (" \n ", False, (None, " \n ")),
+    ("", False, (None, "")),
+    ("<think>a</think>b", False, (None, "<think>a</think>b")),
+]
+
+
+@pytest.mark.parametrize(("text", "open_in_prompt", "expected_split"), COHERE_CASES)
+def test_a_cohere_answer_whole_and_streamed(text: str, open_in_prompt: bool,
+                                            expected_split: tuple[str | None, str]) -> None:
+    """The thinking block is the reasoning; the content is what follows it, less a response block's tags, however
+    a stream cuts the tags."""
+    assert split(text, open_in_prompt, COHERE_THINK) == expected_split
+    whole = split_parts(text, open_in_prompt, COHERE_THINK)
+    for chunks in chunkings(text, random.Random(text)):
+        assert streamed(ReasoningStream(open_in_prompt, COHERE_THINK), chunks, whole) == expected(whole), chunks
+
+
+def test_a_cohere_response_goes_out_as_it_comes_without_its_tags() -> None:
+    stream = ReasoningStream(markers=COHERE_THINK)
+    assert stream.feed("<|START_") == ("", "")
+    assert stream.feed("RESPONSE|>The answ") == ("", "The answ")
+    assert stream.feed("er.<|END_RES") == ("", "er.")
+    assert stream.feed("PONSE|>") == ("", "")
+    assert stream.finish() == ("", "")
+    assert opens_in_prompt("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|>", COHERE_THINK)
