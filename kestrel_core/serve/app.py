@@ -51,7 +51,7 @@ from kestrel_core.serve.protocol import (
     EmbeddingRequest,
 )
 from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, TokenStrings, embedding_list, new_id
-from kestrel_core.serve.tools import ARGS, MISTRAL_ARGS, MISTRAL_FORMATS, TOOL_CALLS, ToolCalls, tool_format
+from kestrel_core.serve.tools import CONTROL_TOKENS, SPECIAL_TEXT_FORMATS, ToolCalls, tool_format
 
 
 class Served:
@@ -65,15 +65,17 @@ class Served:
         self.tokens = TokenStrings(self.engine.tokenizer, self.engine.token_bytes)
         self.created = int(time.time())
         template = getattr(self.engine.tokenizer, "chat_template", None)
+        tool_template = getattr(self.engine.tokenizer, "tool_template", None)
         # a request with tools renders with the model's tool_use template where it names one (transformers' pick)
-        self.tool_format = tool_format(getattr(self.engine.tokenizer, "tool_template", None) or template)
-        # the reasoning block its answers start with (kestrel_core.model.reasoning; None: they have none)
-        self.reasoning_markers = reasoning_markers(template)
+        self.tool_format = tool_format(tool_template or template)
+        # the reasoning block its answers start with (kestrel_core.model.reasoning; None: they have none), which
+        # the tool_use template may teach alone
+        self.reasoning_markers = reasoning_markers(template) or reasoning_markers(tool_template)
         self.thinks = self.reasoning_markers is not None
         self.harmony = is_harmony(template)  # its answers are harmony's channels (kestrel_core.model.harmony)
-        backend = getattr(self.engine.tokenizer, "backend", None)  # Mistral's calls are spelled with control tokens
-        ids = {token: backend.token_to_id(token) for token in (TOOL_CALLS, ARGS)} \
-            if self.tool_format in MISTRAL_FORMATS and backend else {}
+        backend = getattr(self.engine.tokenizer, "backend", None)  # Mistral's and Cohere's calls: special tokens
+        ids = {token: backend.token_to_id(token) for token in CONTROL_TOKENS.get(self.tool_format or "", ())} \
+            if backend else {}
         self.control_ids = {token: i for token, i in ids.items() if i is not None}
 
     def check_request(self, priority: int | None = None) -> None:
@@ -180,9 +182,11 @@ class Served:
         markers = self.reasoning_markers
         reasoning = None if markers is None else \
             Reasoning(opens_in_prompt(prompt, markers) and params.grammar is None, markers)
-        # harmony's channels, mistral-args' calls and Mistral's reasoning tags are special tokens: their text must
-        # stay (as vLLM keeps a Mistral model's [THINK] tags, and its calls when the request offers tools)
-        if self.harmony or tools is not None and tools.fmt == MISTRAL_ARGS or markers is not None and markers.control:
+        # harmony's channels, mistral-args' and Cohere's calls and Mistral's and Cohere's reasoning tags are special
+        # tokens: their text must stay (as vLLM keeps a Mistral model's [THINK] tags, and its calls when the request
+        # offers tools, and a Cohere model's)
+        special = tools is not None and tools.fmt in SPECIAL_TEXT_FORMATS
+        if self.harmony or special or markers is not None and markers.control:
             params = replace(params, skip_special_tokens=False)
         if params.logprobs:
             await asyncio.to_thread(self.tokens.ready)

@@ -211,6 +211,8 @@ class ChatMessage(RequestBody):
             message["tool_call_id"] = self.tool_call_id
         if reasoning is not None:  # under each name templates read it by: Qwen's, gpt-oss's, Seed-OSS's and Solar's
             message["reasoning_content"] = message["thinking"] = message["reasoning"] = reasoning
+            if self.tool_calls:  # Cohere's: the plan before the calls (llama.cpp passes it so)
+                message["tool_plan"] = reasoning
         return message
 
 
@@ -431,7 +433,7 @@ class ChatCompletionRequest(_Generation):
             raise InvalidRequest("this model's chat template renders tools, but in none of the formats kestrel "
                                  "reads calls in (<tool_call> blocks of JSON, <function=...> or <arg_key>, "
                                  "<minimax:tool_call> blocks, <tool_calls> lists, Mistral's [TOOL_CALLS], "
-                                 "Llama 3's JSON)", param="tools")
+                                 "Cohere's <|START_ACTION|> or Action: lists, Llama 3's JSON)", param="tools")
         return ToolCalls(fmt, self.parallel_tool_calls is not False,
                          {t.function.name: t.function.parameters or {} for t in self.tools or ()})
 

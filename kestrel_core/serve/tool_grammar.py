@@ -16,7 +16,13 @@ from kestrel_core.serve.tools import (
     APRIEL_CLOSE,
     APRIEL_OPEN,
     ARGS,
+    COHERE,
+    COHERE_KEYS,
+    COMMAND_R,
+    COMMAND_R_OPEN,
     DEF_PREFIXES,
+    END_ACTION,
+    FENCE,
     GLM,
     GLM_COMPACT,
     HERMES,
@@ -27,6 +33,7 @@ from kestrel_core.serve.tools import (
     MINIMAX_CLOSE,
     MINIMAX_OPEN,
     MISTRAL_ARGS,
+    START_ACTION,
     TOOL_CALLS,
     XML,
     dereferenced,
@@ -53,13 +60,12 @@ def _hoisted(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
     return rename(schema), {f"{prefix}{name}": rename(d) for name, d in schema_defs(schema).items()}
 
 
-
 def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool,
                  control_ids: Mapping[str, int] | None = None) -> str:
     """The grammar of answers that are calls, in format ``fmt``, of the ``functions`` (OpenAI's ``function``
     objects: a name, and a JSON Schema of its arguments as ``parameters``): one call, or with ``many`` one or
-    more. ``control_ids``: the ids of Mistral's control tokens (TOOL_CALLS, ARGS) the vocabulary has (one it
-    lacks is text)."""
+    more. ``control_ids``: the ids of the special tokens the format spells its calls with (CONTROL_TOKENS) that the
+    vocabulary has (one it lacks is text)."""
     def control(token: str) -> str:
         return f"<[{control_ids[token]}]>" if control_ids and token in control_ids else json.dumps(token)
 
@@ -67,24 +73,31 @@ def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool,
         return lark_grammar(_markup_grammar(_MARKUP[fmt], functions, many), param="tool_choice")
     if fmt == MISTRAL_ARGS:
         return lark_grammar(_mistral_args_grammar(functions, many, control), param="tool_choice")
-    key = "parameters" if fmt == LLAMA3 else "arguments"
+    name, key = COHERE_KEYS if fmt in (COHERE, COMMAND_R) else ("name", "parameters" if fmt == LLAMA3 else "arguments")
     members, defs = [], {}
     for i, f in enumerate(functions):
         parameters, own = _hoisted(f.get("parameters") or {"type": "object"}, f"f{i}_")
-        members.append({"type": "object", "additionalProperties": False, "required": ["name", key],
-                        "properties": {"name": {"const": f["name"]}, key: parameters}})
+        # Cohere's count of the turn's calls, which its template writes as a string of digits (llama.cpp's grammar)
+        count = {"tool_call_id": {"type": "string", "pattern": "^[0-9]{1,10}$"}} if fmt == COHERE else {}
+        properties = {**count, name: {"const": f["name"]}, key: parameters}
+        members.append({"type": "object", "additionalProperties": False, "required": list(properties),
+                        "properties": properties})
         defs.update(own)
     call = lark_json({"anyOf": members, **({"$defs": defs} if defs else {})})
+    more = ' (", " call)*' if many else ""  # the list's further calls
     if fmt == HERMES:
         start = 'block ("\\n" block)*' if many else "block"
         rules = f'block: "{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"\n'
     elif fmt == APRIEL:  # one block of the list, as the template writes an earlier turn's calls
-        more = ' (", " call)*' if many else ""
         start, rules = f'"{APRIEL_OPEN}[" call{more} "]{APRIEL_CLOSE}"', ""
+    elif fmt == COHERE:  # one block of the list, as the template writes an earlier turn's calls
+        start, rules = f'{control(START_ACTION)} "[" call{more} "]" {control(END_ACTION)}', ""
+    elif fmt == COMMAND_R:  # as the template's instructions spell the list
+        opener, closer = json.dumps(f"{COMMAND_R_OPEN} {FENCE}json\n["), json.dumps(f"]\n{FENCE}")
+        start, rules = f"{opener} call{more} {closer}", ""
     elif fmt == LLAMA3:
         start, rules = ('call ("; " call)*' if many else "call"), ""
     else:
-        more = ' (", " call)*' if many else ""
         start, rules = f'{control(TOOL_CALLS)} " "? "[" call{more} "]"', ""
     return lark_grammar(f"start: {start}\n{rules}call: {call}\n", param="tool_choice")
 

@@ -13,8 +13,11 @@ blocks of a JSON list, anywhere in the answer), ``mistral`` (``[TOOL_CALLS]`` th
 "arguments"}``: the control token is not text, so the answer starts with the list), ``mistral-args`` (Mistral's
 newer templates, which write ``[ARGS]``: each call ``[TOOL_CALLS]NAME[ARGS]{...}``, anywhere in the answer, the
 request keeping the control tokens' text),
-``llama3`` (Llama 3.1+: the answer is ``{"name": ..., "parameters": {...}}``, several separated by ``;``) or
-``harmony`` (gpt-oss: a message to ``functions.NAME``, read with the answer's channels by
+``cohere`` (Command R7B, Command A: ``<|START_ACTION|>[{"tool_call_id": "0", "tool_name": ..., "parameters":
+{...}}, ...]<|END_ACTION|>`` blocks of a JSON list, their tags special tokens, as llama.cpp's command_r7b parser reads
+them), ``command-r`` (the older Command R and R+: ``Action: ```json [{"tool_name": ..., "parameters": {...}}, ...]```
+``, as Ollama reads it), ``llama3`` (Llama 3.1+: the answer is ``{"name": ..., "parameters": {...}}``, several
+separated by ``;``) or ``harmony`` (gpt-oss: a message to ``functions.NAME``, read with the answer's channels by
 kestrel_core.model.harmony); None where the template never reads ``tools``. ``parse`` splits a whole answer into its
 content and its calls; ``ToolStream`` does the same for a stream, sending content as soon as it cannot be the start
 of a call. An answer whose calls do not parse (bad JSON, a missing name) is content, as it came. The grammars that
@@ -38,14 +41,26 @@ from kestrel_core.model.chat_template import TEMPLATE_EXTENSIONS
 from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.harmony import ToolCall, is_harmony
 
-HERMES, XML, GLM, GLM_COMPACT, MINIMAX, APRIEL, MISTRAL, MISTRAL_ARGS, LLAMA3, HARMONY, UNKNOWN = (
-    "hermes", "xml", "glm", "glm-compact", "minimax", "apriel", "mistral", "mistral-args", "llama3", "harmony",
-    "unknown")
+HERMES, XML, GLM, GLM_COMPACT, MINIMAX, APRIEL, MISTRAL, MISTRAL_ARGS, COHERE, COMMAND_R, LLAMA3, HARMONY = (
+    "hermes", "xml", "glm", "glm-compact", "minimax", "apriel", "mistral", "mistral-args", "cohere", "command-r",
+    "llama3", "harmony")
+UNKNOWN = "unknown"
 MISTRAL_FORMATS = (MISTRAL, MISTRAL_ARGS)  # their templates take nine-character call ids
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's control tokens
+START_ACTION, END_ACTION = "<|START_ACTION|>", "<|END_ACTION|>"  # Cohere's special tokens
+# the special tokens each format spells its calls with, which a forced call's grammar names by id where the vocabulary
+# has them; the formats whose answers must keep special tokens' text for their calls to be read
+CONTROL_TOKENS = {MISTRAL: (TOOL_CALLS, ARGS), MISTRAL_ARGS: (TOOL_CALLS, ARGS), COHERE: (START_ACTION, END_ACTION)}
+SPECIAL_TEXT_FORMATS = (MISTRAL_ARGS, COHERE)
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 APRIEL_OPEN, APRIEL_CLOSE = "<tool_calls>", "</tool_calls>"
-_JSON_BLOCK = {HERMES: (HERMES_OPEN, HERMES_CLOSE), APRIEL: (APRIEL_OPEN, APRIEL_CLOSE)}  # a block's tags
+# a block's tags, by format; those whose block holds a list of calls, and the keys of a call's name and arguments
+_JSON_BLOCK = {HERMES: (HERMES_OPEN, HERMES_CLOSE), APRIEL: (APRIEL_OPEN, APRIEL_CLOSE),
+               COHERE: (START_ACTION, END_ACTION)}
+_LIST_BLOCKS = (APRIEL, COHERE)
+COHERE_KEYS = ("tool_name", "parameters")  # Cohere's formats' keys of a call's name and arguments
+# the older Command R's list of calls: its opening, and the code fence after the list
+COMMAND_R_OPEN, _COMMAND_R_ACTION, FENCE = "Action:", re.compile(r"Action:\s*```(?:json)?\s*"), "```"
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 _SPACE = re.compile(r"\s*")
 # a block, or the last one where its end never comes (as vLLM's qwen3_coder parser reads it)
@@ -66,7 +81,8 @@ _PARAMETER = {XML: re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", r
               GLM_COMPACT: _GLM_PARAMETER}
 # calls in blocks anywhere in the answer, by how a block opens
 _BLOCK_OPEN = {HERMES: (HERMES_OPEN,), **{fmt: (HERMES_OPEN,) for fmt in _CALL}, XML: (HERMES_OPEN, XML_FUNCTION),
-               MINIMAX: (MINIMAX_OPEN,), APRIEL: (APRIEL_OPEN,), MISTRAL_ARGS: (TOOL_CALLS,)}
+               MINIMAX: (MINIMAX_OPEN,), APRIEL: (APRIEL_OPEN,), MISTRAL_ARGS: (TOOL_CALLS,), COHERE: (START_ACTION,),
+               COMMAND_R: (COMMAND_R_OPEN,)}
 _OPENERS = {MISTRAL: "[", LLAMA3: "{"}  # formats whose answer is the calls alone, and how the calls start
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -87,6 +103,8 @@ def tool_format(template: str | None) -> str | None:
         return HARMONY
     if MINIMAX_OPEN in template:
         return MINIMAX
+    if START_ACTION in template:  # Command R7B's and Command A's, whose prose says "Action:" too
+        return COHERE
     if APRIEL_OPEN in template:  # Apriel's list of calls in one block, which its prose may call <tool_call>
         return APRIEL
     if HERMES_OPEN in template:
@@ -97,6 +115,8 @@ def tool_format(template: str | None) -> str | None:
         return MISTRAL_ARGS if ARGS in template else MISTRAL
     if "<|start_header_id|>" in template:
         return LLAMA3
+    if COMMAND_R_OPEN in template and f'"{COHERE_KEYS[0]}"' in template:
+        return COMMAND_R
     return UNKNOWN
 
 
@@ -135,9 +155,9 @@ def _around(text: str, cuts: Sequence[tuple[int, int]], calls: tuple[ToolCall, .
     return Parsed(content or None, calls, tuple(spans))
 
 
-def _call(obj: Any, keys: tuple[str, ...]) -> ToolCall | None:
-    """``{"name": str, <one of keys>: {...}}`` (the arguments may also be a JSON object's text) as a ToolCall."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+def _call(obj: Any, keys: tuple[str, ...], name: str = "name") -> ToolCall | None:
+    """``{name: str, <one of keys>: {...}}`` (the arguments may also be a JSON object's text) as a ToolCall."""
+    if not isinstance(obj, dict) or not isinstance(obj.get(name), str) or not obj[name]:
         return None
     args = next((obj[k] for k in keys if k in obj), {})
     if isinstance(args, str):
@@ -147,16 +167,17 @@ def _call(obj: Any, keys: tuple[str, ...]) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return ToolCall(obj[name], json.dumps(args, ensure_ascii=False))
 
 
-def _calls(values: list[Any], keys: tuple[str, ...]) -> tuple[ToolCall, ...] | None:
-    calls = [_call(v, keys) for v in values]
+def _calls(values: list[Any], keys: tuple[str, ...], name: str = "name") -> tuple[ToolCall, ...] | None:
+    calls = [_call(v, keys, name) for v in values]
     return None if not calls or None in calls else tuple(c for c in calls if c is not None)
 
 
 def _json_blocks(text: str, fmt: str) -> Parsed | None:
-    """The calls in hermes' blocks (a call each) or Apriel's (a list of calls each): each block's JSON read by the
+    """The calls in hermes' blocks (a call each) or Apriel's and Cohere's (a list of calls each, Cohere's with its own
+    keys): each block's JSON read by the
     JSON decoder, not up to the first closing tag, which a string in the arguments may hold (the call grammar
     admits it); the last block's closing tag may never come (a stop string or the answer's end cut it: vLLM's
     hermes parser reads such a call too)."""
@@ -168,13 +189,33 @@ def _json_blocks(text: str, fmt: str) -> Parsed | None:
         except ValueError:
             return None
         close = _SPACE.match(text, end).end()
-        if close < len(text) and not text.startswith(closer, close) or fmt == APRIEL and not isinstance(value, list):
+        listed = fmt in _LIST_BLOCKS
+        if close < len(text) and not text.startswith(closer, close) or listed and not isinstance(value, list):
             return None
-        values.extend(value if fmt == APRIEL else [value])
+        values.extend(value if listed else [value])
         at = min(close + len(closer), len(text))
         cuts.append((start, at))
-    calls = _calls(values, ("arguments",))
+    calls = _calls(values, COHERE_KEYS[1:], COHERE_KEYS[0]) if fmt == COHERE else _calls(values, ("arguments",))
     return None if calls is None else _around(text, cuts, calls)
+
+
+def _command_r(text: str) -> Parsed | None:
+    """The older Command R's calls: ``Action:``, a json code fence and a JSON list of calls, the fence's end (which
+    may never come, where the answer was cut); the text before and after it is the content."""
+    action = _COMMAND_R_ACTION.search(text)
+    if action is None:
+        return None
+    try:
+        values, end = json.JSONDecoder().raw_decode(text, action.end())
+    except ValueError:
+        return None
+    close = _SPACE.match(text, end).end()
+    if text.startswith(FENCE, close):
+        close += len(FENCE)
+    elif close < len(text):
+        return None
+    calls = _calls(values, COHERE_KEYS[1:], COHERE_KEYS[0]) if isinstance(values, list) else None
+    return None if calls is None else _around(text, [(action.start(), close)], calls)
 
 
 def _mistral_args(text: str) -> Parsed | None:
@@ -343,6 +384,7 @@ def parse(fmt: str, text: str, parallel: bool = True, schemas: dict[str, Any] | 
         parsed = (_json_blocks(text, fmt) if fmt in _JSON_BLOCK
                   else _typed_blocks(text, fmt, schemas or {}) if fmt in _CALL
                   else _minimax_blocks(text, schemas or {}) if fmt == MINIMAX
+                  else _command_r(text) if fmt == COMMAND_R
                   else _mistral_args(text) if fmt == MISTRAL_ARGS else _leading_json(text, fmt, schemas))
     except RecursionError:  # JSON nested past the parser's depth: not a call kestrel reads
         parsed = None
