@@ -53,8 +53,9 @@ class Markers:
 
 THINK = Markers("<think>", "</think>", call="<tool_call>")
 MISTRAL_THINK = Markers("[THINK]", "[/THINK]", control=True, thinking_block=True)
-COHERE_THINK = Markers("<|START_THINKING|>", "<|END_THINKING|>", control=True,
-                       response=("<|START_RESPONSE|>", "<|END_RESPONSE|>"))
+COHERE_THINK = Markers(
+    "<|START_THINKING|>", "<|END_THINKING|>", control=True, response=("<|START_RESPONSE|>", "<|END_RESPONSE|>")
+)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from kestrel_core.serve.tools import (
 def _hoisted(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
     """``schema`` without its definitions, its ``$ref``s renamed ``#/$defs/<prefix><name>``, and those definitions so
     renamed: to sit under one root ``$defs`` beside other functions' (the grammar's root is not the schema's)."""
+
     def rename(node: Any) -> Any:
         if isinstance(node, list):
             return [rename(v) for v in node]
@@ -54,18 +55,20 @@ def _hoisted(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
         ref = node.get("$ref")
         for p in DEF_PREFIXES:
             if isinstance(ref, str) and ref.startswith(p):
-                out["$ref"] = f"#/$defs/{prefix}{ref[len(p):]}"
+                out["$ref"] = f"#/$defs/{prefix}{ref[len(p) :]}"
         return out
 
     return rename(schema), {f"{prefix}{name}": rename(d) for name, d in schema_defs(schema).items()}
 
 
-def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool,
-                 control_ids: Mapping[str, int] | None = None) -> str:
+def call_grammar(
+    fmt: str, functions: Sequence[dict[str, Any]], many: bool, control_ids: Mapping[str, int] | None = None
+) -> str:
     """The grammar of answers that are calls, in format ``fmt``, of the ``functions`` (OpenAI's ``function``
     objects: a name, and a JSON Schema of its arguments as ``parameters``): one call, or with ``many`` one or
     more. ``control_ids``: the ids of the special tokens the format spells its calls with (CONTROL_TOKENS) that the
     vocabulary has (one it lacks is text)."""
+
     def control(token: str) -> str:
         return f"<[{control_ids[token]}]>" if control_ids and token in control_ids else json.dumps(token)
 
@@ -80,8 +83,9 @@ def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool,
         # Cohere's count of the turn's calls, which its template writes as a string of digits (llama.cpp's grammar)
         count = {"tool_call_id": {"type": "string", "pattern": "^[0-9]{1,10}$"}} if fmt == COHERE else {}
         properties = {**count, name: {"const": f["name"]}, key: parameters}
-        members.append({"type": "object", "additionalProperties": False, "required": list(properties),
-                        "properties": properties})
+        members.append(
+            {"type": "object", "additionalProperties": False, "required": list(properties), "properties": properties}
+        )
         defs.update(own)
     call = lark_json({"anyOf": members, **({"$defs": defs} if defs else {})})
     more = ' (", " call)*' if many else ""  # the list's further calls
@@ -108,7 +112,7 @@ def _mistral_args_grammar(functions: Sequence[dict[str, Any]], many: bool, contr
     rules, calls = [], []
     for i, f in enumerate(functions):
         parameters, defs = _hoisted(f.get("parameters") or {"type": "object"}, "")
-        rules.append(f'call{i}: {control(TOOL_CALLS)} {json.dumps(f["name"])} {control(ARGS)} args{i}')
+        rules.append(f"call{i}: {control(TOOL_CALLS)} {json.dumps(f['name'])} {control(ARGS)} args{i}")
         rules.append(f"args{i}: {lark_json({**parameters, '$defs': defs} if defs else parameters)}")
         calls.append(f"call{i}")
     return f"start: call{'+' if many else ''}\ncall: {' | '.join(calls)}\n" + "\n".join(rules) + "\n"
@@ -130,14 +134,45 @@ class _Markup:
     newline: str = "\n"
 
 
-_MARKUP = {XML: _Markup(f"{HERMES_OPEN}\n", f"\n{HERMES_CLOSE}", "<function={name}>\n", "</function>",
-                        "<parameter={key}>\n", "\n</parameter>\n", "</parameter>"),
-           GLM: _Markup("", "", f"{HERMES_OPEN}{{name}}\n", HERMES_CLOSE,
-                        "<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n", "</arg_value>"),
-           GLM_COMPACT: _Markup("", "", f"{HERMES_OPEN}{{name}}", HERMES_CLOSE, "<arg_key>{key}</arg_key><arg_value>",
-                                "</arg_value>", "</arg_value>", ""),
-           MINIMAX: _Markup(f"{MINIMAX_OPEN}\n", f"\n{MINIMAX_CLOSE}", '<invoke name="{name}">\n', "</invoke>",
-                            '<parameter name="{key}">', "</parameter>\n", "</parameter>")}
+_MARKUP = {
+    XML: _Markup(
+        f"{HERMES_OPEN}\n",
+        f"\n{HERMES_CLOSE}",
+        "<function={name}>\n",
+        "</function>",
+        "<parameter={key}>\n",
+        "\n</parameter>\n",
+        "</parameter>",
+    ),
+    GLM: _Markup(
+        "",
+        "",
+        f"{HERMES_OPEN}{{name}}\n",
+        HERMES_CLOSE,
+        "<arg_key>{key}</arg_key>\n<arg_value>",
+        "</arg_value>\n",
+        "</arg_value>",
+    ),
+    GLM_COMPACT: _Markup(
+        "",
+        "",
+        f"{HERMES_OPEN}{{name}}",
+        HERMES_CLOSE,
+        "<arg_key>{key}</arg_key><arg_value>",
+        "</arg_value>",
+        "</arg_value>",
+        "",
+    ),
+    MINIMAX: _Markup(
+        f"{MINIMAX_OPEN}\n",
+        f"\n{MINIMAX_CLOSE}",
+        '<invoke name="{name}">\n',
+        "</invoke>",
+        '<parameter name="{key}">',
+        "</parameter>\n",
+        "</parameter>",
+    ),
+}
 
 
 def _markup_grammar(m: _Markup, functions: Sequence[dict[str, Any]], many: bool) -> str:
@@ -145,6 +180,7 @@ def _markup_grammar(m: _Markup, functions: Sequence[dict[str, Any]], many: bool)
     order, the required ones always; a string's value one of its enum, else text up to the first ``m.stop`` (as
     ``parse`` reads it) of at most its maxLength (other string keywords are not kept), another's JSON of its
     schema."""
+
     def lit(text: str) -> str:
         return json.dumps(text, ensure_ascii=False)
 
@@ -160,22 +196,26 @@ def _markup_grammar(m: _Markup, functions: Sequence[dict[str, Any]], many: bool)
             choices = prop.get("enum") if isinstance(prop, dict) else None
             start = lit(m.param_open.format(key=key))
             if kind == "string" and choices and all(isinstance(c, str) for c in choices):
-                item = f'{start} ({" | ".join(lit(c) for c in choices)}) {lit(m.param_close)}'
+                item = f"{start} ({' | '.join(lit(c) for c in choices)}) {lit(m.param_close)}"
             elif kind == "string" and isinstance(prop.get("maxLength"), int) and prop["maxLength"] >= 0:
-                rules.append(f'v{i}_{j}[stop={lit(m.stop)}]: /(.|\\n){{0,{prop["maxLength"] + 1}}}/')
+                rules.append(f"v{i}_{j}[stop={lit(m.stop)}]: /(.|\\n){{0,{prop['maxLength'] + 1}}}/")
                 item = f"{start} v{i}_{j}{nl}"  # the value, and the newline after its end
-            elif kind == "string" or kind is None and not is_composite(prop, defs) or isinstance(kind, list) \
-                    and "string" in kind:
+            elif (
+                kind == "string"
+                or kind is None
+                and not is_composite(prop, defs)
+                or isinstance(kind, list)
+                and "string" in kind
+            ):
                 item = f"{start} text{nl}"
             else:
                 rules.append(f"v{i}_{j}: {lark_json({**prop, '$defs': defs} if defs else prop)}")
                 item = f"{start} v{i}_{j} {lit(m.param_close)}"
             items.append(item if key in required else f"({item})?")
-        rules.append(f'call{i}: {lit(m.call_open.format(name=f["name"]))} {" ".join(items)} {lit(m.call_close)}')
+        rules.append(f"call{i}: {lit(m.call_open.format(name=f['name']))} {' '.join(items)} {lit(m.call_close)}")
         calls.append(f"call{i}")
     start = ("block+" if not nl else f"block ({nl.strip()} block)*") if many else "block"
-    block = f'({" | ".join(calls)})'
+    block = f"({' | '.join(calls)})"
     if m.block_open:
         block = f"{lit(m.block_open)} {block} {lit(m.block_close)}"
-    return (f"start: {start}\nblock: {block}\n" + "\n".join(rules) +
-            f'\ntext[stop={lit(m.stop)}]: /(.|\\n)*/\n')
+    return f"start: {start}\nblock: {block}\n" + "\n".join(rules) + f"\ntext[stop={lit(m.stop)}]: /(.|\\n)*/\n"

@@ -27,8 +27,10 @@ def _calls(*calls: tuple[str, dict[str, Any]]) -> tuple[ToolCall, ...]:
 
 def _action(*calls: tuple[str, dict[str, Any]]) -> str:
     """A block of calls as Command R7B writes one."""
-    items = ",\n".join(f'    {{"tool_call_id": "{i}", "tool_name": "{name}", "parameters": {json.dumps(args)}}}'
-                       for i, (name, args) in enumerate(calls))
+    items = ",\n".join(
+        f'    {{"tool_call_id": "{i}", "tool_name": "{name}", "parameters": {json.dumps(args)}}}'
+        for i, (name, args) in enumerate(calls)
+    )
     return f"<|START_ACTION|>[\n{items}\n]<|END_ACTION|>"
 
 
@@ -44,24 +46,42 @@ CASES = [
     (COHERE, _action(("f", {})).removesuffix("<|END_ACTION|>"), Parsed(None, _calls(("f", {})))),  # cut before its end
     (COHERE, '<|START_ACTION|>[{"tool_name": "f"}]<|END_ACTION|>', Parsed(None, _calls(("f", {})))),
     # malformed: as it came
-    (COHERE, '<|START_ACTION|>[{"tool_name": "f", "parameters": {"x": 1}<|END_ACTION|>',
-     Parsed('<|START_ACTION|>[{"tool_name": "f", "parameters": {"x": 1}<|END_ACTION|>', ())),
-    (COHERE, '<|START_ACTION|>{"tool_name": "f", "parameters": {}}<|END_ACTION|>',
-     Parsed('<|START_ACTION|>{"tool_name": "f", "parameters": {}}<|END_ACTION|>', ())),  # not a list
-    (COHERE, '<|START_ACTION|>[{"name": "f", "arguments": {}}]<|END_ACTION|>',
-     Parsed('<|START_ACTION|>[{"name": "f", "arguments": {}}]<|END_ACTION|>', ())),  # not Cohere's keys
-    (COHERE, '<|START_ACTION|>[{"tool_name": "f", "parameters": []}]<|END_ACTION|>',
-     Parsed('<|START_ACTION|>[{"tool_name": "f", "parameters": []}]<|END_ACTION|>', ())),
+    (
+        COHERE,
+        '<|START_ACTION|>[{"tool_name": "f", "parameters": {"x": 1}<|END_ACTION|>',
+        Parsed('<|START_ACTION|>[{"tool_name": "f", "parameters": {"x": 1}<|END_ACTION|>', ()),
+    ),
+    (
+        COHERE,
+        '<|START_ACTION|>{"tool_name": "f", "parameters": {}}<|END_ACTION|>',
+        Parsed('<|START_ACTION|>{"tool_name": "f", "parameters": {}}<|END_ACTION|>', ()),
+    ),  # not a list
+    (
+        COHERE,
+        '<|START_ACTION|>[{"name": "f", "arguments": {}}]<|END_ACTION|>',
+        Parsed('<|START_ACTION|>[{"name": "f", "arguments": {}}]<|END_ACTION|>', ()),
+    ),  # not Cohere's keys
+    (
+        COHERE,
+        '<|START_ACTION|>[{"tool_name": "f", "parameters": []}]<|END_ACTION|>',
+        Parsed('<|START_ACTION|>[{"tool_name": "f", "parameters": []}]<|END_ACTION|>', ()),
+    ),
     (COHERE, "<|START_ACTION|>[]<|END_ACTION|>", Parsed("<|START_ACTION|>[]<|END_ACTION|>", ())),
     (COHERE, "Sunny in Paris.", Parsed("Sunny in Paris.", ())),
     (COMMAND_R, _command_r(("f", {"x": 1}), ("g", {})), Parsed(None, _calls(("f", {"x": 1}), ("g", {})))),
     (COMMAND_R, "I will look it up.\n" + _command_r(("f", {})), Parsed("I will look it up.", _calls(("f", {})))),
     (COMMAND_R, 'Action:\n```json\n[{"tool_name": "f", "parameters": {}}]```', Parsed(None, _calls(("f", {})))),
     (COMMAND_R, _command_r(("f", {})).removesuffix("```"), Parsed(None, _calls(("f", {})))),
-    (COMMAND_R, 'Action: ```json\n[{"tool_name": "f", "parameters": {}}\n```',
-     Parsed('Action: ```json\n[{"tool_name": "f", "parameters": {}}\n```', ())),
-    (COMMAND_R, 'Action: ```json\n[{"tool_name": "f", "parameters": {}}] and then text',
-     Parsed('Action: ```json\n[{"tool_name": "f", "parameters": {}}] and then text', ())),
+    (
+        COMMAND_R,
+        'Action: ```json\n[{"tool_name": "f", "parameters": {}}\n```',
+        Parsed('Action: ```json\n[{"tool_name": "f", "parameters": {}}\n```', ()),
+    ),
+    (
+        COMMAND_R,
+        'Action: ```json\n[{"tool_name": "f", "parameters": {}}] and then text',
+        Parsed('Action: ```json\n[{"tool_name": "f", "parameters": {}}] and then text', ()),
+    ),
     (COMMAND_R, "Action: none needed.", Parsed("Action: none needed.", ())),
 ]
 
@@ -74,7 +94,7 @@ def test_cohere_calls_whole_and_streamed(fmt: str, text: str, expected: Parsed) 
     assert parse(fmt, text) == expected
     for size in (1, 2, 3, 7, len(text)):
         stream = ToolStream(fmt)
-        sent = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
+        sent = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
         rest, calls = stream.finish()
         assert (sent + rest, calls) == (expected.content or "", expected.calls)
         assert not expected.calls or "Action" not in sent
@@ -90,17 +110,30 @@ def test_the_calls_a_real_cohere_template_writes_parse_back(name: str, fmt: str)
     writes them, parse back to those calls."""
     source = (TEMPLATES / name).read_text()
     assert tool_format(source) == fmt
-    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-             {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]
-    tools = [{"type": "function", "function": {"name": c["function"]["name"], "description": "",
-                                               "parameters": {"type": "object", "properties": {}}}} for c in calls]
-    messages = [{"role": "user", "content": "Weather and time?"},
-                {"role": "assistant", "content": "", "tool_calls": calls, "tool_plan": "I will look."},
-                {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}]
+    calls = [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {}}},
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": c["function"]["name"],
+                "description": "",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+        for c in calls
+    ]
+    messages = [
+        {"role": "user", "content": "Weather and time?"},
+        {"role": "assistant", "content": "", "tool_calls": calls, "tool_plan": "I will look."},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
+    ]
     prompt = render_chat(compile_chat_template(source), messages, True, tools=tools, bos_token="", eos_token="")
     opener, closer = ("<|START_ACTION|>", "<|END_ACTION|>") if fmt == COHERE else ("Action:", "```\n")
     start = prompt.index(opener, prompt.index("Weather and time?"))
-    turn = prompt[start:prompt.index(closer, start) + len(closer)]
+    turn = prompt[start : prompt.index(closer, start) + len(closer)]
     assert parse(fmt, turn) == Parsed(None, _calls(("get_weather", {"city": "Paris"}), ("get_time", {})))
 
 
@@ -120,8 +153,12 @@ def test_a_cohere_grammar_admits_the_calls_parse_reads_and_no_others(fmt: str) -
     g = {"tool_name": "g", "parameters": {}}
     for text in (block(f), block(f, g)):
         assert _admits(grammar, text) and parse(fmt, text).calls, text
-    for bad in (block({"tool_name": "f", "parameters": {"i": 3}}), block({"tool_name": "h", "parameters": {}}),
-                block(g) + " and text", block({"name": "g", "arguments": {}})):
+    for bad in (
+        block({"tool_name": "f", "parameters": {"i": 3}}),
+        block({"tool_name": "h", "parameters": {}}),
+        block(g) + " and text",
+        block({"name": "g", "arguments": {}}),
+    ):
         assert not _admits(grammar, bad), bad
     assert not _admits(call_grammar(fmt, FUNCTIONS, many=False), block(f, g))
     if fmt == COHERE:
