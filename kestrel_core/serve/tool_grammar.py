@@ -17,7 +17,8 @@ from kestrel_core.serve.tools import (
     APRIEL_OPEN,
     ARGS,
     COHERE,
-    COHERE_KEYS,
+    COHERE_ARGUMENTS,
+    COHERE_NAME,
     COMMAND_R,
     COMMAND_R_OPEN,
     DEF_PREFIXES,
@@ -76,7 +77,11 @@ def call_grammar(
         return lark_grammar(_markup_grammar(_MARKUP[fmt], functions, many), param="tool_choice")
     if fmt == MISTRAL_ARGS:
         return lark_grammar(_mistral_args_grammar(functions, many, control), param="tool_choice")
-    name, key = COHERE_KEYS if fmt in (COHERE, COMMAND_R) else ("name", "parameters" if fmt == LLAMA3 else "arguments")
+    name, key = (
+        (COHERE_NAME, COHERE_ARGUMENTS)
+        if fmt in (COHERE, COMMAND_R)
+        else ("name", "parameters" if fmt == LLAMA3 else "arguments")
+    )
     members, defs = [], {}
     for i, f in enumerate(functions):
         parameters, own = _hoisted(f.get("parameters") or {"type": "object"}, f"f{i}_")

@@ -58,7 +58,7 @@ APRIEL_OPEN, APRIEL_CLOSE = "<tool_calls>", "</tool_calls>"
 _JSON_BLOCK = {HERMES: (HERMES_OPEN, HERMES_CLOSE), APRIEL: (APRIEL_OPEN, APRIEL_CLOSE),
                COHERE: (START_ACTION, END_ACTION)}
 _LIST_BLOCKS = (APRIEL, COHERE)
-COHERE_KEYS = ("tool_name", "parameters")  # Cohere's formats' keys of a call's name and arguments
+COHERE_NAME, COHERE_ARGUMENTS = "tool_name", "parameters"  # Cohere's formats' keys of a call's name and arguments
 # the older Command R's list of calls: its opening, and the code fence after the list
 COMMAND_R_OPEN, _COMMAND_R_ACTION, FENCE = "Action:", re.compile(r"Action:\s*```(?:json)?\s*"), "```"
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
@@ -115,7 +115,7 @@ def tool_format(template: str | None) -> str | None:
         return MISTRAL_ARGS if ARGS in template else MISTRAL
     if "<|start_header_id|>" in template:
         return LLAMA3
-    if COMMAND_R_OPEN in template and f'"{COHERE_KEYS[0]}"' in template:
+    if COMMAND_R_OPEN in template and f'"{COHERE_NAME}"' in template:
         return COMMAND_R
     return UNKNOWN
 
@@ -175,13 +175,17 @@ def _calls(values: list[Any], keys: tuple[str, ...], name: str = "name") -> tupl
     return None if not calls or None in calls else tuple(c for c in calls if c is not None)
 
 
+def _cohere_calls(values: list[Any]) -> tuple[ToolCall, ...] | None:
+    return _calls(values, (COHERE_ARGUMENTS,), COHERE_NAME)
+
+
 def _json_blocks(text: str, fmt: str) -> Parsed | None:
-    """The calls in hermes' blocks (a call each) or Apriel's and Cohere's (a list of calls each, Cohere's with its own
-    keys): each block's JSON read by the
-    JSON decoder, not up to the first closing tag, which a string in the arguments may hold (the call grammar
-    admits it); the last block's closing tag may never come (a stop string or the answer's end cut it: vLLM's
-    hermes parser reads such a call too)."""
+    """The calls in hermes' blocks (a call each) or Apriel's and Cohere's (a list of calls each, Cohere's with its
+    own keys): each block's JSON read by the JSON decoder, not up to the first closing tag, which a string in the
+    arguments may hold (the call grammar admits it); the last block's closing tag may never come (a stop string or
+    the answer's end cut it: vLLM's hermes parser reads such a call too)."""
     opener, closer = _JSON_BLOCK[fmt]
+    listed = fmt in _LIST_BLOCKS
     decoder, values, cuts, at = json.JSONDecoder(), [], [], 0
     while (start := text.find(opener, at)) >= 0:
         try:
@@ -189,13 +193,12 @@ def _json_blocks(text: str, fmt: str) -> Parsed | None:
         except ValueError:
             return None
         close = _SPACE.match(text, end).end()
-        listed = fmt in _LIST_BLOCKS
         if close < len(text) and not text.startswith(closer, close) or listed and not isinstance(value, list):
             return None
         values.extend(value if listed else [value])
         at = min(close + len(closer), len(text))
         cuts.append((start, at))
-    calls = _calls(values, COHERE_KEYS[1:], COHERE_KEYS[0]) if fmt == COHERE else _calls(values, ("arguments",))
+    calls = _cohere_calls(values) if fmt == COHERE else _calls(values, ("arguments",))
     return None if calls is None else _around(text, cuts, calls)
 
 
@@ -214,7 +217,7 @@ def _command_r(text: str) -> Parsed | None:
         close += len(FENCE)
     elif close < len(text):
         return None
-    calls = _calls(values, COHERE_KEYS[1:], COHERE_KEYS[0]) if isinstance(values, list) else None
+    calls = _cohere_calls(values) if isinstance(values, list) else None
     return None if calls is None else _around(text, [(action.start(), close)], calls)
 
 
