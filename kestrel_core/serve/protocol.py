@@ -1,4 +1,4 @@
-"""OpenAI's requests for ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``.
+"""OpenAI's requests for ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings`` (answers: responses.py).
 
 Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and scalar
 fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges are not repeated
@@ -16,8 +16,6 @@ sequences of one prompt (with the prefix cache, the first computes it and the ot
 may hold several prompts (choice p * n + i is prompt p's i-th) and ``echo`` them, with their tokens' logprobs and, with
 ``max_tokens`` 0, nothing generated: what evaluation harnesses send to score text, or give a ``suffix``: each prompt is
 then the prefix of a fill-in-the-middle prompt (kestrel_core.model.fim), what code editors send.
-
-The responses' shapes are serve/responses.py's.
 """
 
 from __future__ import annotations
@@ -211,8 +209,7 @@ class ChatMessage(RequestBody):
             message["tool_call_id"] = self.tool_call_id
         if reasoning is not None:  # under each name templates read it by: Qwen's, gpt-oss's, Seed-OSS's and Solar's
             message["reasoning_content"] = message["thinking"] = message["reasoning"] = reasoning
-            if self.tool_calls:  # Cohere's: the plan before the calls (llama.cpp passes it so)
-                message["tool_plan"] = reasoning
+            message |= {"tool_plan": reasoning} if self.tool_calls else {}  # Cohere's plan before its calls
         return message
 
 
