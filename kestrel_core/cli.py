@@ -219,8 +219,8 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
                         "reports it)")
     p.add_argument("--think", type=_think_arg, default=None, metavar="true|false|low|medium|high|max",
                    help="reasoning, as Ollama's --think: false turns Qwen3's thinking off (its template's "
-                        "enable_thinking); a level is the template's reasoning effort, gpt-oss's (max: its high) "
-                        "(default: the template's)")
+                        "enable_thinking), and Cohere's (an empty thinking block, as llama.cpp writes it); a level "
+                        "is the template's reasoning effort, gpt-oss's (max: its high) (default: the template's)")
     _model_sampling_arg(p)
 
 

@@ -8,16 +8,17 @@ are read (serve/tools.py); ``kestrel run`` and ``chat`` show it apart from the a
 gpt-oss's channels are kestrel_core.model.harmony's.
 
 ``reasoning_markers(template)`` says which block a template teaches (the one whose end it writes: ``</think>``,
-``[/THINK]``), ``thinks(template)`` whether it teaches one. An answer that starts with the block's open tag
-reasons until its close tag, as does one whose prompt ended with the open tag (a template that opens the block
-itself, as Qwen3.5's). Where no ``</think>`` comes, its first ``<tool_call>`` ends the reasoning (Qwen3.5 may call
-a tool without closing its block: the call is content, where serve/tools.py reads it, as vLLM's qwen3 reasoning
-parser reads it); a ``<tool_call>`` that reasoning mentions before its ``</think>`` is reasoning. Mistral's block
-ends at its ``[/THINK]`` only, as vLLM's mistral reasoning parser reads it. An answer cut before either is all
-reasoning. ``split_parts`` does this for a whole answer (its parts, kestrel_core.model.parts; ``split`` their two
-texts), ``ReasoningStream`` for a stream, holding back what may be the start of a tag, the whitespace that the
-whole answer's parts leave out at their edges, and the reasoning from a ``<tool_call>`` on until its ``</think>``
-comes (or the answer ends, which makes the call content).
+``[/THINK]``), ``thinks(template)`` whether it teaches one; ``without_reasoning`` turns thinking off in a prompt
+whose template has no ``enable_thinking`` of its own (Cohere's), as llama.cpp does. An answer that starts with the
+block's open tag reasons until its close tag, as does one whose prompt ended with the open tag (a template that
+opens the block itself, as Qwen3.5's). Where no ``</think>`` comes, its first ``<tool_call>`` ends the reasoning
+(Qwen3.5 may call a tool without closing its block: the call is content, where serve/tools.py reads it, as vLLM's
+qwen3 reasoning parser reads it); a ``<tool_call>`` that reasoning mentions before its ``</think>`` is reasoning.
+Mistral's block ends at its ``[/THINK]`` only, as vLLM's mistral reasoning parser reads it. An answer cut before
+either is all reasoning. ``split_parts`` does this for a whole answer (its parts, kestrel_core.model.parts;
+``split`` their two texts), ``ReasoningStream`` for a stream, holding back what may be the start of a tag, the
+whitespace that the whole answer's parts leave out at their edges, and the reasoning from a ``<tool_call>`` on until
+its ``</think>`` comes (or the answer ends, which makes the call content).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class Markers:
     (Mistral's control tokens, Cohere's), whose text an answer keeps only where its special tokens' text is kept;
     ``thinking_block``: an earlier answer's reasoning goes back to the template as a ``thinking`` content block
     (Mistral's templates read it there, not from ``reasoning_content``); ``response``: the open and close tags of the
-    block the content is in (Cohere's), which are no text of the content (the prompt may have opened it)."""
+    block the content is in (Cohere's), which are no text of the content (the prompt may have opened it); ``turn``:
+    the tag that opens the answer's turn in a template without a thinking switch of its own (Cohere's), where
+    ``without_reasoning`` turns it off."""
 
     open: str
     close: str
@@ -44,6 +47,7 @@ class Markers:
     control: bool = False
     thinking_block: bool = False
     response: tuple[str, str] | None = None
+    turn: str | None = None
 
     @property
     def longest(self) -> int:
@@ -54,7 +58,11 @@ class Markers:
 THINK = Markers("<think>", "</think>", call="<tool_call>")
 MISTRAL_THINK = Markers("[THINK]", "[/THINK]", control=True, thinking_block=True)
 COHERE_THINK = Markers(
-    "<|START_THINKING|>", "<|END_THINKING|>", control=True, response=("<|START_RESPONSE|>", "<|END_RESPONSE|>")
+    "<|START_THINKING|>",
+    "<|END_THINKING|>",
+    control=True,
+    response=("<|START_RESPONSE|>", "<|END_RESPONSE|>"),
+    turn="<|CHATBOT_TOKEN|>",
 )
 
 
@@ -86,6 +94,19 @@ def reasoning_markers(template: str | None) -> Markers | None:
     if not template:
         return None
     return next((m for m in (THINK, MISTRAL_THINK, COHERE_THINK) if m.close in template), None)
+
+
+def without_reasoning(prompt: str, markers: Markers | None) -> str:
+    """The rendered ``prompt`` with thinking turned off where its template has no switch of its own
+    (``markers.turn``): a prompt that ends opening the block gets it closed, one that ends opening the answer's turn
+    gets an empty block, as llama.cpp's command_r7b handler writes them; any other prompt is as it came."""
+    if markers is None or markers.turn is None:
+        return prompt
+    if prompt.endswith(markers.open):
+        return prompt + markers.close
+    if prompt.endswith(markers.turn):
+        return prompt + markers.open + markers.close
+    return prompt
 
 
 def thinks(template: str | None) -> bool:

@@ -22,6 +22,7 @@ from kestrel_core.model.chat_template import (
     template_content,
 )
 from kestrel_core.model.gguf_vocab import build_gguf_vocab
+from kestrel_core.model.reasoning import reasoning_markers, without_reasoning
 from kestrel_core.model.validate import check_regular_file
 
 LONG_DECODE_IDS = 1024  # from here decode lets go of the interpreter lock (Tokenizer.decode); a call costs the same
@@ -190,12 +191,17 @@ class Tokenizer:
         text = self.decode([*context, token_id])
         return text[len(before):] if text.startswith(before) else self.decode([token_id])
 
-    def _template(self, tools: bool = False) -> tuple[jinja2.Template, bool]:
-        """The chat template compiled (with ``tools``, the tool_use one where the model names one, as
-        transformers picks it), once for each text, and whether it loops over a message's content parts."""
+    def _source(self, tools: bool = False) -> str:
+        """The chat template's text (with ``tools``, the tool_use one where the model names one, as transformers
+        picks it)."""
         source = self.tool_template if tools and self.tool_template else self.chat_template
         if not source:
             raise KestrelError("this model has no chat template (`kestrel run --no-chat` runs its prompt as it is)")
+        return source
+
+    def _template(self, source: str) -> tuple[jinja2.Template, bool]:
+        """The chat template ``source`` compiled, once for each text, and whether it loops over a message's content
+        parts."""
         compiled = self._compiled.get(source)
         if compiled is None:
             compiled = self._compiled[source] = (compile_chat_template(source), loops_over_content(source))
@@ -204,12 +210,17 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...]; content a string or a list of
-        {"type": "text", "text": ...} parts), rendered sandboxed."""
+        {"type": "text", "text": ...} parts), rendered sandboxed; ``enable_thinking`` false also turns off the
+        thinking of a template that has no switch of its own (reasoning.without_reasoning)."""
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
-        template, parts = self._template(bool(kwargs.get("tools")))
+        source = self._source(bool(kwargs.get("tools")))
+        template, parts = self._template(source)
         messages = [{**m, "content": template_content(m["content"], parts)} if isinstance(m.get("content"), list)
                     else m for m in messages]
-        return render_chat(template, messages, add_generation_prompt, **context)
+        prompt = render_chat(template, messages, add_generation_prompt, **context)
+        if kwargs.get("enable_thinking") is False:
+            return without_reasoning(prompt, reasoning_markers(source))
+        return prompt
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:

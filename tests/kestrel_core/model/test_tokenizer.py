@@ -226,6 +226,29 @@ def test_chat_template_helpers_and_generation_prompt(fmt) -> None:
     assert str(exc.value) == "chat template failed: bad role tool"
 
 
+COMMAND_R7B = Path(__file__).resolve().parents[2] / "fixtures" / "templates" / (
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja")
+
+
+def test_thinking_off_closes_coheres_reasoning_block_as_llama_cpp_does(fmt) -> None:
+    """Cohere's templates read no enable_thinking: with it false, a prompt that ends opening the answer's turn gets
+    an empty reasoning block and one that ends opening the block gets it closed, as llama.cpp's command_r7b
+    handler writes them; with it true or unset, and for a template of another reasoning block, the prompt is the
+    template's."""
+    hi = [{"role": "user", "content": "hi"}]
+    r7b = _tok(fmt, COMMAND_R7B.read_text())
+    prompt = r7b.apply_chat_template(hi)
+    assert prompt.endswith("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
+    assert r7b.apply_chat_template(hi, enable_thinking=False) == prompt + "<|START_THINKING|><|END_THINKING|>"
+    assert r7b.apply_chat_template(hi, enable_thinking=True) == prompt
+    opened = _tok(fmt, "{{ messages[0].content }}<|END_THINKING|><|CHATBOT_TOKEN|><|START_THINKING|>")
+    assert opened.apply_chat_template(hi, enable_thinking=False).endswith("<|START_THINKING|><|END_THINKING|>")
+    answering = _tok(fmt, "{{ messages[0].content }}<|END_THINKING|><|CHATBOT_TOKEN|><|START_RESPONSE|>")
+    assert answering.apply_chat_template(hi, enable_thinking=False).endswith("<|START_RESPONSE|>")
+    qwen = _tok(fmt, "{{ messages[0].content }}</think><|CHATBOT_TOKEN|>")  # a template with its own switch
+    assert qwen.apply_chat_template(hi, enable_thinking=False).endswith("</think><|CHATBOT_TOKEN|>")
+
+
 @pytest.mark.parametrize("template", [
     "{{ ''.__class__.__mro__[1].__subclasses__() }}",
     "{{ messages.__class__.__init__.__globals__ }}",

@@ -92,6 +92,20 @@ def test_the_plan_is_reasoning_and_the_action_block_is_the_calls(
         assert [c.index for c in calls] == [0, 1]
 
 
+@pytest.mark.parametrize(
+    "off", [{"reasoning_effort": "none"}, {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}]
+)
+def test_thinking_off_gives_the_answer_an_empty_plan(served: tuple[Spoken, KestrelServer], off: dict[str, Any]) -> None:
+    """Thinking turned off (reasoning_effort none, or the template's enable_thinking false, which Cohere's templates do
+    not read): the prompt ends with an empty thinking block, as llama.cpp writes it, and the calls come back without
+    reasoning."""
+    front, client = _front(served, CALLED[3:])
+    reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, TIME], **off)
+    reasoning, content, calls, reason = reply_parts(reply, False)
+    assert front.prompts[-1].endswith("<|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>")
+    assert (reasoning, content, reason, len(calls)) == (None, "", "tool_calls", 2)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_response_block_is_the_content_without_its_tags(served: tuple[Spoken, KestrelServer], stream: bool) -> None:
     _, client = _front(served, ANSWERED, ["<|START_THINKING|>", PLAN, "<|END_THINKING|>", *ANSWERED])
