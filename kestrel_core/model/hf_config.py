@@ -1,6 +1,7 @@
 """A Hugging Face model's config.json (and generation_config.json) as a ModelConfig: which architectures kestrel
 reads (HF_ARCHITECTURES, MODEL_TYPES), each one's fields as transformers resolves them, and what is refused by
-name; hf_experts.py and hf_hybrid.py read a mixture of experts' and a hybrid decoder's fields. model/hf.py reads
+name; hf_experts.py, hf_hybrid.py and hf_cohere.py read a mixture of experts', a hybrid decoder's and Cohere's
+fields. model/hf.py reads
 the tensors.
 """
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kestrel_core.errors import KestrelError
-from kestrel_core.model import hf_experts, hf_hybrid
+from kestrel_core.model import hf_cohere, hf_experts, hf_hybrid
 from kestrel_core.model.config import (
     SAMPLING_FIELDS,
     ModelConfig,
@@ -21,7 +22,6 @@ from kestrel_core.model.config import (
     yarn_mscale,
 )
 from kestrel_core.model.validate import (
-    MAX_POSITION,
     ValidationError,
     check_bool,
     check_float,
@@ -32,6 +32,7 @@ from kestrel_core.model.validate import (
     is_int,
     named_layers,
     refuse_set,
+    sliding_layer_types,
 )
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -52,6 +53,8 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                     "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "MiniMaxM2ForCausalLM": "minimax_m2",
                     "Dots1ForCausalLM": "dots1", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
+                    # Aya Vision's language model is Cohere's or Cohere2's, as its text_config says
+                    "AyaVisionForConditionalGeneration": "aya_vision",
                     # Qwen3-VL's language models are Qwen3's and Qwen3-MoE's (_TEXT_CONFIGS names them so)
                     "Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
@@ -63,7 +66,7 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
                "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
                "qwen3_next": "qwen3_next", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe", "minimax_m2": "minimax_m2",
-               "dots1": "dots1", "cohere": "cohere", "cohere2": "cohere2",
+               "dots1": "dots1", "cohere": "cohere", "cohere2": "cohere2", "aya_vision": "aya_vision",
                "granitemoehybrid": "granitemoehybrid",
                "glm4_moe": "glm4_moe", "ernie4_5_moe": "ernie4_5_moe", "qwen3_vl": "qwen3_vl",
                "qwen3_vl_moe": "qwen3_vl_moe", "ministral3": "ministral3", "mistral3": "mistral3",
@@ -108,6 +111,8 @@ LLAMA_CPP_ARCHITECTURES = {
     "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe_lite": "deepseek2",
     "minimax_m2": "minimax-m2", "dots1": "dots1", "qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe",
     "cohere": "command-r", "cohere2": "cohere2"}
+# multimodal checkpoints llama.cpp converts none of (Aya Vision): a GGUF adapter of one is its language model's
+LANGUAGE_MODEL_ARCHITECTURES = ("aya_vision",)
 
 
 def _ids(value: Any) -> list[int]:
@@ -133,8 +138,13 @@ def _architecture(cfg: dict[str, Any], where: str) -> str:
 
 
 def llama_cpp_architecture(model_dir: Path) -> str:
-    """The general.architecture of the GGUF file llama.cpp would convert the checkpoint at ``model_dir`` to."""
-    return LLAMA_CPP_ARCHITECTURES[_architecture(read_json(model_dir / "config.json"), str(model_dir))]
+    """The general.architecture of the GGUF file llama.cpp would convert the checkpoint at ``model_dir`` to (for
+    LANGUAGE_MODEL_ARCHITECTURES, its language model)."""
+    cfg, where = read_json(model_dir / "config.json"), str(model_dir)
+    arch = _architecture(cfg, where)
+    if arch in LANGUAGE_MODEL_ARCHITECTURES:
+        arch = _architecture(_text_config(cfg, where), where)
+    return LLAMA_CPP_ARCHITECTURES[arch]
 
 
 def _named_arch(cfg: dict[str, Any]) -> str | None:
@@ -146,18 +156,20 @@ def _named_arch(cfg: dict[str, Any]) -> str | None:
 
 
 # architectures whose multimodal checkpoints nest the language model's settings in text_config: the causal LM's
-# name, and the defaults its config class gives what a hub config leaves out
+# name (None: the text_config's model_type says it), and the defaults its config class gives what a hub config leaves
+# out
 _TEXT_CONFIGS = {"gemma3": ("Gemma3ForCausalLM", GEMMA3_DEFAULTS), "qwen3_5": ("Qwen3_5ForCausalLM", QWEN3_5_DEFAULTS),
                  "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", {**QWEN3_5_DEFAULTS, "moe_intermediate_size": 512,
                                                            "num_experts": 256, "num_experts_per_tok": 8}),
                  "qwen3_vl": ("Qwen3ForCausalLM", QWEN3_VL_DEFAULTS),
                  "qwen3_vl_moe": ("Qwen3MoeForCausalLM", QWEN3_VL_DEFAULTS),
-                 "mistral3": ("Ministral3ForCausalLM", {"head_dim": 128, "rms_norm_eps": 1e-5})}
+                 "mistral3": ("Ministral3ForCausalLM", {"head_dim": 128, "rms_norm_eps": 1e-5}),
+                 "aya_vision": (None, hf_cohere.TEXT_DEFAULTS)}
 
 
 def _text_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """The language model's settings: a multimodal Gemma 3's, Qwen3.5's, Qwen3-VL's or Mistral 3's text_config (with
-    its own defaults), or cfg."""
+    """The language model's settings: a multimodal Gemma 3's, Qwen3.5's, Qwen3-VL's, Mistral 3's or Aya Vision's
+    text_config (with its own defaults), or cfg."""
     arch = _named_arch(cfg)
     if arch not in _TEXT_CONFIGS:
         return cfg
@@ -165,6 +177,8 @@ def _text_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     text = cfg.get("text_config", cfg)
     if not isinstance(text, dict):
         raise KestrelError(f"{where}: text_config must be an object, got {text!r}")
+    if name is None:
+        name = hf_cohere.aya_vision_language_model(None if text is cfg else text, where)
     out = {**defaults, **{k: v for k, v in text.items() if v is not None}}
     out["architectures"] = [name]
     for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):  # the outer config's win
@@ -190,7 +204,7 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
             out[name] = None if cap is None else check_float(key, cap, 0.0, lo_open=True)
     pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6 if arch == "gemma3" else 2))
     check_int("sliding_window_pattern", pattern, 1)
-    types = _layer_types(cfg, where, pattern)
+    types = sliding_layer_types(cfg, where, pattern)
     rp = cfg.get("rope_parameters")
     if arch == "gemma2":  # one RoPE for every layer
         theta = cfg.get("rope_theta", (rp or {}).get("rope_theta", 1e4))
@@ -244,7 +258,7 @@ def _olmo3_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """OLMo 3's: OLMo 2's norms, three sliding layers (window ``sliding_window``) to one full (or as ``layer_types``
     says); the sliding layers turn by plain RoPE at the same base, the full ones by the config's scaling (YaRN)."""
     theta, local_theta, scaling = _layer_type_rope(cfg, where, 500000.0, None)
-    return {"layer_types": _layer_types(cfg, where, 4), "sliding_window": cfg.get("sliding_window", 4096),
+    return {"layer_types": sliding_layer_types(cfg, where, 4), "sliding_window": cfg.get("sliding_window", 4096),
             "rope_theta": check_float("rope_theta", theta, 0.0, lo_open=True),
             "rope_local_theta": theta if local_theta is None else local_theta,
             "rope_scaling": _rope_scaling("olmo3", cfg, scaling, where)}
@@ -263,34 +277,7 @@ def _exaone4_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         pattern = len(pattern) if pattern and set(pattern) <= {"L", "G"} and pattern.endswith("G") else None
     if not is_int(pattern) or pattern < 1:
         raise KestrelError(f"{where}: sliding_window_pattern must be a number of layers or a pattern like 'LLLG'")
-    types = _layer_types(cfg, where, pattern)
-    return {**out, "layer_types": types, "sliding_window": window,
-            "nope_layers": tuple(i for i, t in enumerate(types) if t == "full")}
-
-
-def _cohere_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """Cohere's, as transformers' CohereForCausalLM and Cohere2ForCausalLM run them: LayerNorms without a bias
-    (``layer_norm_eps``), the attention and the MLP in parallel from one norm, RoPE in interleaved pairs, the logits
-    times ``logit_scale``. Command R: the context ``model_max_length`` where config.json has one (as llama.cpp
-    reads it: the model was trained past its max_position_embeddings), per-head q/k norms with a weight a head where
-    ``use_qk_norm``. Cohere2: ``head_dim`` is hidden / heads, sliding layers (``layer_types``, else every
-    ``sliding_window_pattern``-th layer full) with RoPE and full ones without; with no ``sliding_window``, no layer
-    slides or turns."""
-    out: dict[str, Any] = {
-        "norm_type": "layer", "parallel_block": True, "rope_interleaved": True,
-        "rms_norm_eps": check_float("layer_norm_eps", cfg.get("layer_norm_eps", 1e-5), 0.0, 1.0, lo_open=True),
-        "logits_scaling": 1 / check_float("logit_scale", cfg.get("logit_scale", 0.0625), 0.0, lo_open=True)}
-    layers = cfg["num_hidden_layers"]
-    if arch == "cohere":
-        qk = check_bool("use_qk_norm", cfg.get("use_qk_norm", False))
-        if cfg.get("model_max_length") is not None:
-            out["max_position"] = check_int("model_max_length", cfg["model_max_length"], 1, MAX_POSITION)
-        return {**out, "qk_norm": qk, "qk_norm_heads": qk}
-    out["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
-    window = cfg.get("sliding_window", 4096)
-    if window is None:
-        return {**out, "nope_layers": tuple(range(layers))}
-    types = _layer_types(cfg, where, check_int("sliding_window_pattern", cfg.get("sliding_window_pattern", 4), 1))
+    types = sliding_layer_types(cfg, where, pattern)
     return {**out, "layer_types": types, "sliding_window": window,
             "nope_layers": tuple(i for i, t in enumerate(types) if t == "full")}
 
@@ -406,15 +393,6 @@ def _rotary_dim(cfg: dict[str, Any], head_dim: int, where: str, default: float |
     return dim
 
 
-def _layer_types(cfg: dict[str, Any], where: str, pattern: int) -> tuple[str, ...]:
-    """config.json's layer_types, or every ``pattern``-th layer global and the others sliding."""
-    types = cfg.get("layer_types")
-    if types is None:
-        layers = cfg["num_hidden_layers"]
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    return named_layers(types, {"sliding_attention": "sliding", "full_attention": "full"}, where)
-
-
 # transformers' GenerationConfig defaults: a value equal to its default is no recommendation (vLLM reads the file
 # the same way, through ``to_diff_dict``)
 _GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
@@ -501,7 +479,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         if arch == "exaone4":
             fields.update(_exaone4_fields(cfg, where))
         if arch in COHERE_ARCHITECTURES:
-            fields.update(_cohere_fields(arch, cfg, where))
+            fields.update(hf_cohere.cohere_fields(arch, cfg, where))
         if arch == "glm4":  # interleaved RoPE pairs, Gemma's four norms, q/k/v biases (gate|up fused: _FUSED_MAP)
             fields.update(rope_interleaved=True, post_norms=True,
                           qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", True)))
@@ -536,7 +514,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         if arch in MLA_ARCHITECTURES:
             fields.update(_mla_fields(arch, cfg, where))
         if arch == "gpt_oss":  # sinks, and alternating sliding and full layers
-            fields.update(attn_sinks=True, layer_types=_layer_types(cfg, where, 2),
+            fields.update(attn_sinks=True, layer_types=sliding_layer_types(cfg, where, 2),
                           sliding_window=cfg.get("sliding_window", 128))
         return ModelConfig(
             arch=arch,

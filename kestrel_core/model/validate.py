@@ -151,6 +151,15 @@ def named_layers(types: Any, names: dict[str, str], where: str) -> tuple[str, ..
     return tuple(names[t] for t in types)
 
 
+def sliding_layer_types(cfg: dict[str, Any], where: str, pattern: int) -> tuple[str, ...]:
+    """config.json's layer_types, or every ``pattern``-th layer global and the others sliding."""
+    types = cfg.get("layer_types")
+    if types is None:
+        layers = cfg["num_hidden_layers"]
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    return named_layers(types, {"sliding_attention": "sliding", "full_attention": "full"}, where)
+
+
 # Upper bounds far above any real model, so a config cannot ask for absurd allocations (2^40 layers...)
 MAX_DIM = 1 << 20  # hidden, intermediate, head_dim
 MAX_VOCAB = 1 << 24

@@ -140,6 +140,31 @@ def test_cohere_configs_read_as_transformers_reads_them() -> None:
     assert (c.layer_types, c.sliding_window, c.nope_layers) == ((), None, (0, 1, 2, 3))
 
 
+AYA_VISION = {"architectures": ["AyaVisionForConditionalGeneration"], "model_type": "aya_vision",
+              "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}, "image_token_index": 255036}
+
+
+def test_aya_vision_configs_read_their_language_model_as_transformers_does() -> None:
+    """aya-vision-8b's config.json, whose text_config gives little more than its sizes, is Command R7B's language
+    model with Cohere2Config's defaults (the vocabulary, the context, the window, the ids); without a text_config,
+    Cohere2Config's own; a Cohere text_config (aya-vision-32b's) is Command R's, its RoPE base CohereConfig's."""
+    eight = {**AYA_VISION, "text_config": {
+        "hidden_size": 4096, "intermediate_size": 14336, "logit_scale": 0.25, "model_type": "cohere2",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rope_theta": 50000,
+        "torch_dtype": "float16", "use_qk_norm": False}}
+    c = config_from_hf(eight)
+    assert (c.arch, c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        "cohere2", 256000, 4096, 32, 32, 8, 128)
+    assert (c.max_position, c.rope_theta, c.logits_scaling, c.sliding_window) == (8192, 50000.0, 4.0, 4096)
+    assert c.layer_types == ("sliding", "sliding", "sliding", "full") * 8 and c.nope_layers == tuple(range(3, 32, 4))
+    assert (c.bos_token_id, c.eos_token_ids, c.tie_word_embeddings, c.norm_type) == (5, (255001,), True, "layer")
+    bare = config_from_hf(AYA_VISION)
+    assert (bare.arch, bare.hidden_size, bare.num_layers, bare.num_heads) == ("cohere2", 8192, 40, 64)
+    c = config_from_hf({**AYA_VISION, "text_config": {"model_type": "cohere", "hidden_size": 64,
+                                                      "num_attention_heads": 4, "num_hidden_layers": 2}})
+    assert (c.arch, c.rope_theta, c.max_position, c.parallel_block) == ("cohere", 500000.0, 8192, True)
+
+
 @pytest.mark.parametrize(("fixture", "key"), [("tiny-gemma2", "tie_word_embeddings"),
                                               ("tiny-smollm3", "tie_word_embeddings"),
                                               ("tiny-ernie4_5", "tie_word_embeddings"), ("tiny-lfm2", "tie_embedding"),
@@ -180,6 +205,9 @@ def test_a_config_silent_on_ties_ties_as_transformers_does(fixture: str, key: st
     ({"architectures": ["CohereForCausalLM"], "attention_bias": True}, "cohere attention_bias"),  # q, k, v and o
     ({"architectures": ["Cohere2ForCausalLM"], "sliding_window_pattern": 0}, "sliding_window_pattern must be"),
     ({"architectures": ["CohereForCausalLM"], "model_max_length": 1 << 40}, "model_max_length must be"),
+    ({**AYA_VISION, "text_config": {"hidden_size": 64}}, "Aya Vision's text_config model_type 'llama'"),
+    ({**AYA_VISION, "text_config": {"model_type": "qwen3"}}, "Aya Vision's text_config model_type 'qwen3'"),
+    ({**AYA_VISION, "text_config": [1]}, "text_config must be an object"),
     ({"architectures": ["Qwen3ForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 1e308,
                                                               "original_max_position_embeddings": 32}},
      "yarn rope_scaling.factor must be <= 1024"),

@@ -144,9 +144,26 @@ def test_a_checkpoints_llama_cpp_architecture_is_its_gguf_twins(model: str) -> N
 def test_every_architecture_kestrel_reads_has_its_llama_cpp_name() -> None:
     """A Hugging Face base of any architecture kestrel reads gets a GGUF adapter's architecture checked, not a
     KeyError (the fixtures' GGUF twins check the names themselves)."""
-    from kestrel_core.model.hf_config import HF_ARCHITECTURES, LLAMA_CPP_ARCHITECTURES, MODEL_TYPES
+    from kestrel_core.model.hf_config import (
+        HF_ARCHITECTURES,
+        LANGUAGE_MODEL_ARCHITECTURES,
+        LLAMA_CPP_ARCHITECTURES,
+        MODEL_TYPES,
+    )
 
-    assert set(HF_ARCHITECTURES.values()) | set(MODEL_TYPES.values()) <= set(LLAMA_CPP_ARCHITECTURES)
+    named = set(HF_ARCHITECTURES.values()) | set(MODEL_TYPES.values())
+    assert named - set(LANGUAGE_MODEL_ARCHITECTURES) <= set(LLAMA_CPP_ARCHITECTURES)
+
+
+@pytest.mark.parametrize(("model_type", "gguf"), [("cohere2", "cohere2"), ("cohere", "command-r")])
+def test_an_aya_vision_checkpoints_llama_cpp_architecture_is_its_language_models(
+        tmp_path: Path, model_type: str, gguf: str) -> None:
+    """llama.cpp converts no Aya Vision: a GGUF adapter of one is an adapter of its language model."""
+    from kestrel_core.model.hf_config import llama_cpp_architecture
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["AyaVisionForConditionalGeneration"],
+                                                      "text_config": {"model_type": model_type}}))
+    assert llama_cpp_architecture(tmp_path) == gguf
 
 
 @pytest.mark.parametrize(("adapter_arch", "base", "base_arch"), [

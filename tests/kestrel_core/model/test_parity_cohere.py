@@ -3,8 +3,13 @@ fixtures to agree (the agreement itself: test_parity's CASES; figures in docs/pa
 
 from __future__ import annotations
 
+import json
+import shutil
+import struct
 from dataclasses import replace
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kestrel_core
@@ -76,3 +81,45 @@ def test_a_cohere_gguf_reads_as_its_checkpoint(name: str) -> None:
     assert {f: getattr(gguf, f) for f in same} == {f: getattr(hf, f) for f in same}
     assert gguf.rms_norm_eps == hf.rms_norm_eps == 1e-5
     assert gguf.logits_scaling == pytest.approx(hf.logits_scaling, rel=1e-6)
+
+
+def _aya_vision(src: Path, out: Path, prefix: str) -> Path:
+    """``src``'s checkpoint as an AyaVisionForConditionalGeneration writes one: its config the text_config (without
+    the architectures a hub text_config leaves out), its tensors under ``prefix`` (``model.language_model.`` from
+    transformers 4.52 on, ``language_model.model.`` before), beside a vision tower and a projector."""
+    text = {k: v for k, v in json.loads((src / "config.json").read_text()).items() if k != "architectures"}
+    outer = {"architectures": ["AyaVisionForConditionalGeneration"], "model_type": "aya_vision",
+             "text_config": text, "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8},
+             "image_token_index": 3, "downsample_factor": 2}
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(outer))
+    shutil.copy(src / "tokenizer.json", out / "tokenizer.json")
+    raw = (src / "model.safetensors").read_bytes()  # renamed in the header, the data as they are
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    renamed = {k if k == "__metadata__" else prefix + k.removeprefix("model."): v for k, v in header.items()}
+    tower = prefix.replace("language_model", "vision_tower") + "vision_model.embeddings.patch_embedding.weight"
+    renamed[tower] = {"dtype": "F16", "shape": [8, 4], "data_offsets": [len(data), len(data) + 64]}
+    renamed[prefix.replace("language_model", "multi_modal_projector") + "linear_1.bias"] = {
+        "dtype": "F16", "shape": [4], "data_offsets": [len(data) + 64, len(data) + 72]}
+    blob = json.dumps(renamed).encode()
+    blob += b" " * (-len(blob) % 8)
+    (out / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data + bytes(72))
+    return out
+
+
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+@pytest.mark.parametrize("name", ["tiny-cohere", "tiny-cohere2"])
+def test_an_aya_vision_checkpoint_runs_its_language_model(tmp_path: Path, name: str, prefix: str) -> None:
+    """Aya Vision (8B: Command R7B's language model, 32B: Aya Expanse's): the text_config and the language model's
+    tensors of the checkpoint, its vision tower and projector not read, give the language model's very logits,
+    within the limits of transformers' golden logits."""
+    wrapped = _aya_vision(FIXTURES / name, tmp_path / "aya", prefix)
+    golden = Golden(FIXTURES / name / "golden.npz")
+    with kestrel_core.load(str(wrapped), backend="cpu", quant="q8") as engine:
+        assert engine.config.arch == ("cohere" if name == "tiny-cohere" else "cohere2")
+        logits = engine.logits(golden.ids)
+    with kestrel_core.load(str(FIXTURES / name), backend="cpu", quant="q8") as engine:
+        np.testing.assert_array_equal(logits, engine.logits(golden.ids))
+    assert golden.figures(logits).within(TINY)
