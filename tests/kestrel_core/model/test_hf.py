@@ -140,6 +140,33 @@ def test_cohere_configs_read_as_transformers_reads_them() -> None:
     assert (c.layer_types, c.sliding_window, c.nope_layers) == ((), None, (0, 1, 2, 3))
 
 
+# the context fields of the released configs: (architecture, max_position_embeddings, model_max_length), the
+# context their model cards give
+RELEASED_CONTEXTS = {
+    "c4ai-command-r-v01": ("CohereForCausalLM", 8192, 131072, 131072),
+    "c4ai-command-r-plus": ("CohereForCausalLM", 8192, 131072, 131072),
+    "c4ai-command-r-08-2024": ("CohereForCausalLM", 131072, None, 131072),
+    "aya-expanse-8b": ("CohereForCausalLM", 8192, None, 8192),
+    "c4ai-command-r7b-12-2024": ("Cohere2ForCausalLM", 8192, None, 8192),
+    "c4ai-command-a-03-2025": ("Cohere2ForCausalLM", 131072, None, 131072),
+}
+
+
+@pytest.mark.parametrize("model", list(RELEASED_CONTEXTS))
+def test_a_cohere_models_context_is_the_one_it_was_trained_for(model: str) -> None:
+    """Command R's and R+'s first releases say max_position_embeddings 8192 (transformers' and vLLM's context) and
+    model_max_length 131072, the context they were trained for, which kestrel takes as llama.cpp's converter does;
+    the later releases and Aya's say it in max_position_embeddings. Cohere2's configs have no model_max_length,
+    and llama.cpp's converter reads none there (Command R7B's card gives 128K, its config 8192: kestrel's is 8192)."""
+    arch, positions, longest, context = RELEASED_CONTEXTS[model]
+    cfg = {"architectures": [arch], "vocab_size": 10, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": positions,
+           **({} if longest is None else {"model_max_length": longest})}
+    assert config_from_hf(cfg).max_position == context
+    if arch == "Cohere2ForCausalLM":
+        assert config_from_hf({**cfg, "model_max_length": 4 * positions}).max_position == positions
+
+
 AYA_VISION = {"architectures": ["AyaVisionForConditionalGeneration"], "model_type": "aya_vision",
               "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}, "image_token_index": 255036}
 
