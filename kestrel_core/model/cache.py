@@ -9,7 +9,7 @@ a regular file, and writes it atomically.
 The key of a Hugging Face directory is cheap to compute on every load, so a cache hit stays fast: the full
 contents of the small files kestrel reads besides the weights (config.json, generation_config.json, the
 shard index, tokenizer.json, tokenizer_config.json, chat_template.jinja, modules.json and the configs of the
-Pooling modules it names; an absent one counts as absent),
+Pooling modules it names; an absent one counts as absent; a processor's chat_template.json where there is one),
 and for each safetensors shard its name, size, mtime_ns and its header (the tensor names, dtypes, shapes and
 offsets), plus the quant mode. Hashing the weights themselves would cost a full read of the checkpoint
 (16 GB for an 8B BF16 model) on every load. What the key misses: a weight file rewritten in place with the
@@ -36,6 +36,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.locks import remove_unheld
 from kestrel_core.model.hf import weight_files
 from kestrel_core.model.pull import kestrel_home
+from kestrel_core.model.tokenizer import PROCESSOR_TEMPLATE
 from kestrel_core.model.validate import check_regular_file
 from kestrel_core.temps import LockFile, Temp
 
@@ -163,7 +164,9 @@ def hf_key(model_dir: Path, quant: str) -> str:
     """The content key of a Hugging Face directory at ``quant`` (see the module docstring); OSError or
     KestrelError where the directory cannot be read as a checkpoint."""
     h = hashlib.sha256(f"{KEY_SCHEME}\0{quant}\0".encode())
-    for name in (*HF_KEY_FILES, *_pooling_configs(model_dir)):
+    # the processor's chat template only where present, so that the keys of the directories without one stay
+    extra = [PROCESSOR_TEMPLATE] if (model_dir / PROCESSOR_TEMPLATE).exists() else []
+    for name in (*HF_KEY_FILES, *extra, *_pooling_configs(model_dir)):
         try:  # not a FIFO, a device or a link out of the directory (loading it says why)
             digest = hashlib.sha256(check_regular_file(model_dir / name, model_dir).read_bytes()).hexdigest()
         except KestrelError:

@@ -25,7 +25,23 @@ from kestrel_core.model.gguf_vocab import build_gguf_vocab
 from kestrel_core.model.reasoning import reasoning_markers, without_reasoning
 from kestrel_core.model.validate import check_regular_file
 
+PROCESSOR_TEMPLATE = "chat_template.json"  # a processor's own file (transformers' AutoProcessor reads it)
 LONG_DECODE_IDS = 1024  # from here decode lets go of the interpreter lock (Tokenizer.decode); a call costs the same
+
+
+def _processor_template(model_dir: Path) -> str | None:
+    """The chat template of a checkpoint's processor, ``chat_template.json``'s ``chat_template``; None where absent."""
+    path = model_dir / PROCESSOR_TEMPLATE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(check_regular_file(path, model_dir).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KestrelError(f"{path}: cannot read it ({one_line(exc)})") from None
+    template = data.get("chat_template") if isinstance(data, dict) else None
+    if not isinstance(template, str):
+        raise KestrelError(f"{path}: expected an object whose chat_template is a string")
+    return template
 
 
 def _token_content(value: Any) -> str | None:
@@ -105,6 +121,8 @@ class Tokenizer:
                 template = check_regular_file(jinja_file, model_dir).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise KestrelError(f"{jinja_file}: cannot read it ({one_line(exc)})") from None
+        elif not isinstance(template, (str, list)):  # a vision checkpoint's processor holds it (Aya Vision), as vLLM
+            template = _processor_template(model_dir)  # falls back to the processor's
         return cls.from_json_str(text, chat_template=template if isinstance(template, str) else None,
                                  tool_template=tool_template if isinstance(tool_template, str) else None,
                                  bos_token_id=bos_token_id, eos_token_ids=eos_token_ids,

@@ -565,3 +565,16 @@ def test_a_cache_path_that_is_not_a_directory_is_an_error_naming_it(home: Path, 
         assert err == f"error: {home / 'cache'}: cannot read the model cache (Not a directory)"
     assert (home / "cache").read_text() == "my notes"
 
+
+
+def test_a_processors_chat_template_is_in_the_key_where_there_is_one(hf) -> None:
+    """Where the tokenizer has no template the processor's chat_template.json gives it, so it is in the key; a
+    directory without one keeps the key it had (its entries are not rebuilt)."""
+    root, _ = hf
+    before = hf_key(root, "q8")
+    (root / "chat_template.json").write_text(json.dumps({"chat_template": "P"}))
+    first = hf_key(root, "q8")
+    (root / "chat_template.json").write_text(json.dumps({"chat_template": "Q"}))
+    assert len({before, first, hf_key(root, "q8")}) == 3
+    (root / "chat_template.json").unlink()
+    assert hf_key(root, "q8") == before

@@ -174,6 +174,21 @@ def write_tokenizer_dir(root: Path, fmt, config: dict | None = None, jinja: str 
     return root
 
 
+def test_a_processors_chat_template_is_taken_where_the_tokenizer_has_none(tmp_path: Path, fmt) -> None:
+    """A vision checkpoint may keep its template in its processor's chat_template.json (Aya Vision): taken where
+    neither tokenizer_config.json nor chat_template.jinja holds one, never over theirs."""
+    root = write_tokenizer_dir(tmp_path / "a", fmt, {})
+    (root / "chat_template.json").write_text(json.dumps({"chat_template": "P{{ messages|length }}"}))
+    assert Tokenizer.from_hf_dir(root).apply_chat_template([{"role": "user", "content": "x"}] * 2) == "P2"
+    root = write_tokenizer_dir(tmp_path / "b", fmt, {"chat_template": "T"})
+    (root / "chat_template.json").write_text(json.dumps({"chat_template": "P"}))
+    assert Tokenizer.from_hf_dir(root).chat_template == "T"
+    root = write_tokenizer_dir(tmp_path / "c", fmt, {})
+    (root / "chat_template.json").write_text(json.dumps({"chat_template": 7}))
+    with pytest.raises(KestrelError, match="chat_template.json: expected an object whose chat_template is a string"):
+        Tokenizer.from_hf_dir(root)
+
+
 @pytest.mark.parametrize("config", [[1, 2], "a string", 7])
 def test_a_tokenizer_config_that_is_not_an_object_is_named(tmp_path: Path, fmt, config) -> None:
     root = write_tokenizer_dir(tmp_path, fmt)
