@@ -135,3 +135,10 @@ class Spoken(AsyncEngine):
             yield RequestOutput(request_id or "r", [ids[i] for i in step], "".join(texts[i] for i in step), logprobs,
                                 last, self.finish if last else None, len(prompt_ids), step[-1] + 1,
                                 text_offsets=offsets)
+
+
+def answering(served: tuple[Spoken, KestrelServer], *answers: list[str]) -> tuple[Spoken, openai.OpenAI]:
+    """The spoken engine of a (front, server) fixture, to answer ``answers`` in order, and a client of its server."""
+    front, server = served
+    front.answers[:] = list(answers)
+    return front, openai_client(server)

@@ -18,13 +18,12 @@ from typing import Any
 
 import anthropic
 import ollama
-import openai
 import pytest
 
 import kestrel_core
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import Spoken, openai_client, running_server
+from .helpers import Spoken, answering, running_server
 from .test_tool_calls import reply_parts
 
 pytestmark = pytest.mark.default_model
@@ -53,17 +52,11 @@ def served() -> Iterator[tuple[Spoken, KestrelServer]]:
             yield front, server
 
 
-def _front(served: tuple[Spoken, KestrelServer], *answers: list[str]) -> tuple[Spoken, openai.OpenAI]:
-    """The spoken engine, to answer ``answers`` in order, and a client of its server."""
-    front, server = served
-    front.answers[:] = list(answers)
-    return front, openai_client(server)
-
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_reasoning_is_reasoning_content_and_the_calls_after_it_are_calls(served: tuple[Spoken, KestrelServer],
                                                                               stream: bool) -> None:
-    front, client = _front(served, REASONED, CALLED)
+    front, client = answering(served, REASONED, CALLED)
     reply = client.chat.completions.create(model=NAME, messages=ASK, stream=stream)
     assert reply_parts(reply, stream) == (THOUGHT, "Sunny in Paris.", None if not stream else [], "stop")
     reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], stream=stream)
@@ -74,7 +67,7 @@ def test_chat_reasoning_is_reasoning_content_and_the_calls_after_it_are_calls(se
 
 
 def test_the_responses_api_anthropic_and_ollama_carry_the_reasoning(served: tuple[Spoken, KestrelServer]) -> None:
-    _, client = _front(served, REASONED, REASONED, REASONED)
+    _, client = answering(served, REASONED, REASONED, REASONED)
     response = client.responses.create(model=NAME, input="Weather in Paris?")
     assert [(i.type, i.content[0].text) for i in response.output] == [("reasoning", THOUGHT),
                                                                         ("message", "Sunny in Paris.")]
@@ -92,7 +85,7 @@ def test_an_earlier_answers_reasoning_goes_back_as_its_thinking_block(served: tu
     """An assistant message's reasoning_content (its content and call beside it), sent back with the call's result
     as agent loops send it, renders as Ministral's template writes a thinking block: [THINK]...[/THINK] before
     the text and the call, as llama.cpp passes it."""
-    front, client = _front(served, REASONED)
+    front, client = answering(served, REASONED)
     call = {"id": "a1b2c3d4e", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     history: list[Any] = [*ASK, {"role": "assistant", "content": "Let me look.", "reasoning_content": THOUGHT,

@@ -24,7 +24,7 @@ import pytest
 import kestrel_core
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import Scripted, Spoken, openai_client, running_server
+from .helpers import Scripted, Spoken, answering, openai_client, running_server
 from .test_tool_calls import ASK, DAYS, NAME, TIME, WEATHER, _both_served, reply_parts
 
 pytestmark = pytest.mark.default_model
@@ -66,17 +66,12 @@ def served() -> Iterator[tuple[Spoken, KestrelServer]]:
             yield front, server
 
 
-def _front(served: tuple[Spoken, KestrelServer], *answers: list[str]) -> tuple[Spoken, openai.OpenAI]:
-    front, server = served
-    front.answers[:] = list(answers)
-    return front, openai_client(server)
-
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_plan_is_reasoning_and_the_action_block_is_the_calls(
     served: tuple[Spoken, KestrelServer], stream: bool
 ) -> None:
-    front, client = _front(served, CALLED)
+    front, client = answering(served, CALLED)
     reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, TIME], stream=stream)
     reasoning, content, calls, reason = reply_parts(reply, stream)
     prompt = front.prompts[-1]
@@ -99,7 +94,7 @@ def test_thinking_off_gives_the_answer_an_empty_plan(served: tuple[Spoken, Kestr
     """Thinking turned off (reasoning_effort none, or the template's enable_thinking false, which Cohere's templates do
     not read): the prompt ends with an empty thinking block, as llama.cpp writes it, and the calls come back without
     reasoning."""
-    front, client = _front(served, CALLED[3:])
+    front, client = answering(served, CALLED[3:])
     reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, TIME], **off)
     reasoning, content, calls, reason = reply_parts(reply, False)
     assert front.prompts[-1].endswith("<|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>")
@@ -108,7 +103,7 @@ def test_thinking_off_gives_the_answer_an_empty_plan(served: tuple[Spoken, Kestr
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_response_block_is_the_content_without_its_tags(served: tuple[Spoken, KestrelServer], stream: bool) -> None:
-    _, client = _front(served, ANSWERED, ["<|START_THINKING|>", PLAN, "<|END_THINKING|>", *ANSWERED])
+    _, client = answering(served, ANSWERED, ["<|START_THINKING|>", PLAN, "<|END_THINKING|>", *ANSWERED])
     for tools in (None, [WEATHER]):
         reply = client.chat.completions.create(
             model=NAME, messages=ASK, stream=stream, **({"tools": tools} if tools else {})
@@ -124,7 +119,7 @@ def test_the_response_block_is_the_content_without_its_tags(served: tuple[Spoken
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_action_block_that_does_not_parse_is_text(served: tuple[Spoken, KestrelServer], stream: bool) -> None:
-    _, client = _front(served, BROKEN)
+    _, client = answering(served, BROKEN)
     reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], stream=stream)
     _, content, calls, reason = reply_parts(reply, stream)
     assert (content, calls or None, reason) == ("".join(BROKEN), None, "stop")
@@ -136,7 +131,7 @@ def test_a_conversation_goes_back_with_its_plan_and_calls_as_the_template_writes
     """The answer's reasoning and calls, sent back with the calls' results as agent loops send them, render as
     Command R7B writes a turn of its own: the plan in its thinking block (the template's tool_plan), the calls
     numbered in its action block, each result by its call's number."""
-    front, client = _front(served, CALLED, ANSWERED)
+    front, client = answering(served, CALLED, ANSWERED)
     first = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, TIME]).choices[0].message
     history: list[Any] = [
         *ASK,
