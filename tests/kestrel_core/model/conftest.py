@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 import pytest
 
+import kestrel_core
 from kestrel_core.dispatch import Offload
 from kestrel_core.model.config import ModelConfig
-from kestrel_core.model.presets import ByteTokenizer
+from kestrel_core.model.presets import ByteTokenizer, synthetic_model
 from kestrel_core.registry import Registry
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -68,3 +69,16 @@ def unprivileged() -> list[str]:
     if not dropped:
         pytest.skip("root here cannot drop the capabilities that read past file permissions (setpriv)")
     return prefix
+
+
+@pytest.fixture
+def model(tiny_config):
+    """The scheduler tests' model (a module that needs another defines its own ``model``)."""
+    return synthetic_model(tiny_config("qwen3", max_position=160), "q8", seed=21)
+
+
+@pytest.fixture
+def engine(model):
+    """A CPU engine of ``model``."""
+    with kestrel_core.load(model, backend="cpu") as engine:
+        yield engine

@@ -13,17 +13,6 @@ from kestrel_core.model.scheduler import Scheduler
 from kestrel_core.model.weights import PREFILL_CHUNK
 
 
-@pytest.fixture
-def model(tiny_config):
-    return synthetic_model(tiny_config("qwen3", max_position=160), "q8", seed=21)
-
-
-@pytest.fixture
-def engine(model):
-    with kestrel_core.load(model, backend="cpu") as engine:
-        yield engine
-
-
 def _prompts(n: int, vocab: int, seed: int = 3) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, int(rng.integers(2, 40))).tolist() for _ in range(n)]

@@ -9,7 +9,6 @@ import pytest
 
 import kestrel_core
 from kestrel_core.errors import InvalidRequest, KestrelError
-from kestrel_core.model.presets import synthetic_model
 from kestrel_core.model.request import Request
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
@@ -18,15 +17,6 @@ from kestrel_core.model.scoring import Scoring
 SHORT = SamplingParams(max_tokens=4)
 
 
-@pytest.fixture
-def model(tiny_config):
-    return synthetic_model(tiny_config("qwen3", max_position=160), "q8", seed=21)
-
-
-@pytest.fixture
-def engine(model):
-    with kestrel_core.load(model, backend="cpu") as engine:
-        yield engine
 
 
 @pytest.fixture

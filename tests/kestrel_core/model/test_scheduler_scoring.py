@@ -21,15 +21,6 @@ from kestrel_core.model.weights import PREFILL_CHUNK
 PROMPT = list(range(3, 63))  # 60 tokens: two KV blocks
 
 
-@pytest.fixture
-def model(tiny_config):
-    return synthetic_model(tiny_config("qwen3", max_position=160), "q8", seed=21)
-
-
-@pytest.fixture
-def engine(model):
-    with kestrel_core.load(model, backend="cpu") as engine:
-        yield engine
 
 
 def _run(scheduler: Scheduler) -> tuple[dict[str, list[TokenLogprob]], dict[str, list[int]]]:
