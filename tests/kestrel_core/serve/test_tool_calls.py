@@ -550,6 +550,19 @@ def reply_parts(reply: Any, stream: bool) -> tuple[str | None, str, list[Any], s
     return reasoning, message.content or "", message.tool_calls, reply.choices[0].finish_reason
 
 
+def assert_one_forced_forecast(reply: Any, stream: bool, tool_choice: Any) -> None:
+    """A reply to a forced call of DAYS (``tool_choice`` "required" or DAYS named, beside TIME): one call and no
+    content; named, the call is DAYS's; a DAYS call's integer is an integer."""
+    _, content, calls, reason = reply_parts(reply, stream)
+    assert (content, reason) == ("", "tool_calls")
+    (call,) = calls
+    args = json.loads(call.function.arguments)
+    if tool_choice != "required":
+        assert call.function.name == "get_forecast"
+    if call.function.name == "get_forecast":
+        assert isinstance(args["city"], str) and isinstance(args["days"], int)
+
+
 @pytest.mark.parametrize("closed", [True, False], ids=["after </think>", "inside the reasoning"])
 def test_qwen3_5_calls_come_back_typed_with_the_reasoning_apart(xml_servers, closed: bool) -> None:  # type: ignore[no-untyped-def]
     """A call in Qwen3.5's format, after the reasoning or in place of its </think>, is a tool call whose values

@@ -16,7 +16,17 @@ from typing import Any
 import openai
 import pytest
 
-from .test_tool_calls import ASK, DAYS, NAME, TIME, WEATHER, _both_served, _fresh, reply_parts
+from .test_tool_calls import (
+    ASK,
+    DAYS,
+    NAME,
+    TIME,
+    WEATHER,
+    _both_served,
+    _fresh,
+    assert_one_forced_forecast,
+    reply_parts,
+)
 
 pytestmark = pytest.mark.default_model
 
@@ -73,11 +83,4 @@ def test_a_forced_apriel_call_is_spelled_as_its_template_writes_it(apriel: dict[
     client = apriel["model"][1]
     reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[DAYS, TIME], tool_choice=tool_choice,
                                            parallel_tool_calls=False, temperature=0, max_tokens=200, stream=stream)
-    _, content, calls, reason = reply_parts(reply, stream)
-    assert (content, reason) == ("", "tool_calls")
-    (call,) = calls
-    args = json.loads(call.function.arguments)
-    if tool_choice != "required":
-        assert call.function.name == "get_forecast"
-    if call.function.name == "get_forecast":
-        assert isinstance(args["city"], str) and isinstance(args["days"], int)
+    assert_one_forced_forecast(reply, stream, tool_choice)

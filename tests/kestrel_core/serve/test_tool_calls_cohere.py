@@ -25,7 +25,7 @@ import kestrel_core
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import Scripted, Spoken, answering, openai_client, running_server
-from .test_tool_calls import ASK, DAYS, NAME, TIME, WEATHER, _both_served, reply_parts
+from .test_tool_calls import ASK, DAYS, NAME, TIME, WEATHER, _both_served, assert_one_forced_forecast, reply_parts
 
 pytestmark = pytest.mark.default_model
 
@@ -175,14 +175,7 @@ def test_a_forced_cohere_call_is_an_action_block(
         max_tokens=200,
         stream=stream,
     )
-    _, content, calls, reason = reply_parts(reply, stream)
-    assert (content, reason) == ("", "tool_calls")
-    (call,) = calls
-    args = json.loads(call.function.arguments)
-    if tool_choice != "required":
-        assert call.function.name == "get_forecast"
-    if call.function.name == "get_forecast":
-        assert isinstance(args["city"], str) and isinstance(args["days"], int)
+    assert_one_forced_forecast(reply, stream, tool_choice)
 
 
 @pytest.mark.parametrize("stream", [False, True])
