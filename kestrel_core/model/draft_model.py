@@ -13,7 +13,8 @@ the first guess; each further guess is a decode step. A draft ends at the first 
 draft model (the softmax of its logits) is below ``p_min``, as llama.cpp's ``--draft-p-min`` ends it: a guess the
 draft is unsure of is seldom the target's, and each costs the draft a step and the target a row. The requests of a
 scheduler step draft together: one batched step of the draft model at a time. A request's sequence is freed when
-it ends or is preempted.
+it ends or is preempted. A request whose tokens hold an id past the draft model's vocabulary (the target's may be
+padded further) drafts no more from there on: the draft model has no embedding for it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class DraftSequence:
 
     seq: SeqState
     known: int = 0  # its first positions, which hold the request's own tokens; the draft's guesses come after
+    # False once the request's tokens hold an id the draft model has no embedding for (a target's vocabulary padded
+    # past the draft's, as Qwen2.5-7B's 152064 ids are past 0.5B's 151936): it drafts no more
+    readable: bool = True
 
 
 class DraftModel(Guesser):
@@ -59,9 +63,13 @@ class DraftModel(Guesser):
         self.p_min = checked_p_min(p_min)
 
     def offers(self, request: Request) -> bool:
-        """Whether the draft model holds ``request``'s tokens: its context and KV pool."""
+        """Whether the draft model holds ``request``'s tokens: its context and KV pool, and their ids."""
         n = len(request.tokens)
-        return n <= self.engine.config.max_position and self.engine.pool.blocks_for(n) <= self.engine.pool.num_blocks
+        return (
+            n <= self.engine.config.max_position
+            and self.engine.pool.blocks_for(n) <= self.engine.pool.num_blocks
+            and (request.draft_seq is None or request.draft_seq.readable)
+        )
 
     def forget(self, request: Request) -> None:
         if request.draft_seq is not None:
@@ -78,9 +86,12 @@ class DraftModel(Guesser):
             tokens = request.tokens
             if self.offers(request):
                 seq = self._in_step(request, len(tokens))
+                rest = tokens[len(seq.tokens) :]
                 # the positions of its first draft: the tokens, the next one, k - 1 guesses, within the context
-                if engine.pool.reserve(seq.cache, len(tokens) + min(k, engine.config.max_position - len(tokens))):
-                    runs.append((seq, tokens[len(seq.tokens) :]))
+                if self._reads(request.draft_seq, rest) and engine.pool.reserve(
+                    seq.cache, len(tokens) + min(k, engine.config.max_position - len(tokens))
+                ):
+                    runs.append((seq, rest))
         last = [(seq, rest, 0) for (seq, _), rest in zip(runs, self._run_long(runs)) if rest]
         if last:
             engine.run_batch(last)
@@ -88,7 +99,7 @@ class DraftModel(Guesser):
     def drafts(self, asks: Sequence[tuple[Request, int]]) -> list[list[int]]:
         """Each request's guesses: its sequence caught up with its tokens, then greedy decode steps, batched over
         the requests, up to the first the draft model is less sure of than ``p_min``; none for a request whose
-        draft would pass the draft model's context or KV pool."""
+        draft would pass the draft model's context or KV pool, or that holds an id it has no embedding for."""
         engine = self.engine
         guesses: list[list[int]] = [[] for _ in asks]
         runs: list[tuple[int, SeqState, list[int], int]] = []  # (ask, sequence, tokens to run, guesses wanted)
@@ -98,8 +109,9 @@ class DraftModel(Guesser):
             if k <= 0:
                 continue
             seq = self._in_step(request, len(tokens) - 1)
-            if engine.pool.reserve(seq.cache, len(tokens) + k - 1):
-                runs.append((i, seq, tokens[len(seq.tokens) :], k))
+            rest = tokens[len(seq.tokens) :]
+            if self._reads(request.draft_seq, rest) and engine.pool.reserve(seq.cache, len(tokens) + k - 1):
+                runs.append((i, seq, rest, k))
         rests = self._run_long([(seq, rest) for _, seq, rest, _ in runs])
         steps = [(i, seq, rest, k) for (i, seq, _, k), rest in zip(runs, rests)]
         argmax_only = self.p_min == 0  # no cutoff: a backend may choose the argmax on its device, without logits
@@ -115,6 +127,13 @@ class DraftModel(Guesser):
                     going.append((i, seq, [token], k))
             steps = going
         return guesses
+
+    def _reads(self, state: DraftSequence, rest: Sequence[int]) -> bool:
+        """Whether the draft model has an embedding for every id of ``rest``, the tokens its sequence is to run next
+        (each of a request's tokens is checked once so, as it is run); ``state`` no longer ``readable`` where not."""
+        if state.readable and rest and max(rest) >= self.engine.config.vocab_size:
+            state.readable = False
+        return state.readable
 
     def _run_long(self, runs: list[tuple[SeqState, list[int]]]) -> list[list[int]]:
         """The tokens of each (sequence, tokens) run a prefill chunk a step, batched, while more than a chunk of

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 import kestrel_core
 from kestrel_core.errors import KestrelError
@@ -282,6 +283,43 @@ def test_drafts_stop_at_the_draft_models_context_and_kv_room() -> None:
                 pool = draft_engine.pool
                 assert sum(map(pool.blocks_for, ends)) > pool.num_blocks or min(ends) > draft_engine.config.max_position
                 assert _all_free(draft_engine)
+
+
+def _padded_target(path: Path) -> Path:
+    """tiny-qwen3 with 88 logits past the draft's 512 (Qwen2.5-7B's 152064 beside 0.5B's 151936), its tokenizer
+    the same: those ids have no text, and all but one give a logit of 0; that one is token 445's, a little larger,
+    so the model answers it where tiny-qwen3 answers 445."""
+    shutil.copytree(TARGET, path)
+    config = json.loads((path / "config.json").read_text())
+    config["vocab_size"] = PADDED_VOCAB
+    (path / "config.json").write_text(json.dumps(config))
+    weights = load_file(path / "model.safetensors")
+    embedding = weights["model.embed_tokens.weight"]
+    padding = np.zeros((PADDED_VOCAB - len(embedding), embedding.shape[1]), embedding.dtype)
+    padding[PADDED_ANSWER - len(embedding)] = embedding[445] * 1.02
+    weights["model.embed_tokens.weight"] = np.concatenate([embedding, padding])
+    save_file(weights, path / "model.safetensors")
+    return path
+
+
+PADDED_VOCAB, PADDED_ANSWER = 600, 590
+
+
+def test_a_token_the_draft_model_has_no_embedding_for_ends_that_requests_drafts(tmp_path: Path) -> None:
+    """A target whose vocabulary is padded past the draft's: a request that holds an id past the draft model's
+    (in its prompt, or given by the target after some tokens) decodes without guesses from there on, and the others
+    with theirs: the draft model never runs an id it has no embedding for."""
+    with kestrel_core.load(str(_padded_target(tmp_path / "padded")), backend="cpu") as engine:
+        prompts = [[token % 512 for token in ids] for ids in _prompts(engine, 6)]  # the tokenizer's ids
+        prompts[1][3] = PADDED_VOCAB - 1
+        requests = [(ids, SamplingParams(max_tokens=30, ignore_eos=True)) for ids in prompts]
+        plain, _ = _run(engine, 0, requests)
+        padded_at = [next((j for j, t in enumerate(out) if t >= 512), None) for out in plain]
+        assert any(j is not None and j > 2 for j in padded_at)  # answers that go on to padded ids
+        drafter = attach_draft_model(engine, str(TARGET), p_min=0)
+        fast, after = _run(engine, 3, requests)
+        assert fast == plain and after.drafted > 0
+        assert _all_free(engine) and _all_free(drafter.engine)
 
 
 def _tokenizer(edit=None, eos: str = "<|im_end|>") -> Tokenizer:  # type: ignore[no-untyped-def]
