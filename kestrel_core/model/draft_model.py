@@ -14,12 +14,15 @@ draft model (the softmax of its logits) is below ``p_min``, as llama.cpp's ``--d
 draft is unsure of is seldom the target's, and each costs the draft a step and the target a row. The requests of a
 scheduler step draft together: one batched step of the draft model at a time. A request's sequence is freed when
 it ends or is preempted. A request whose tokens hold an id past the draft model's vocabulary (the target's may be
-padded further) drafts no more from there on: the draft model has no embedding for it.
+padded further) drafts no more from there on: the draft model has no embedding for it. A draft model whose step
+fails is left, with a warning: its failure is not the requests', which decode without guesses from then on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +35,8 @@ from kestrel_core.model.weights import PREFILL_CHUNK
 
 if TYPE_CHECKING:
     from kestrel_core.model.request import Request
+
+log = logging.getLogger("kestrel")
 
 # llama.cpp's checks of a draft's vocabulary (common/speculative.cpp): sizes at most this far apart (a padded
 # vocabulary), and the same text for every token id from CHECKED_FROM on (the first few are special tokens that may
@@ -61,12 +66,14 @@ class DraftModel(Guesser):
         self.engine = engine
         self.vocab_size = vocab_size
         self.p_min = checked_p_min(p_min)
+        self.failed = False  # its step failed: it drafts no more (``_left_if_it_fails``)
 
     def offers(self, request: Request) -> bool:
         """Whether the draft model holds ``request``'s tokens: its context and KV pool, and their ids."""
         n = len(request.tokens)
         return (
-            n <= self.engine.config.max_position
+            not self.failed
+            and n <= self.engine.config.max_position
             and self.engine.pool.blocks_for(n) <= self.engine.pool.num_blocks
             and (request.draft_seq is None or request.draft_seq.readable)
         )
@@ -80,53 +87,70 @@ class DraftModel(Guesser):
         """Each request's sequence caught up with all its tokens (no logits), batched over the requests, so that
         its first draft runs only the next token; none for a request the draft model cannot hold with that draft
         (its KV blocks taken now, for it)."""
-        engine = self.engine
-        runs: list[tuple[SeqState, list[int]]] = []
-        for request, k in asks:
-            tokens = request.tokens
-            if self.offers(request):
-                seq = self._in_step(request, len(tokens))
-                rest = tokens[len(seq.tokens) :]
-                # the positions of its first draft: the tokens, the next one, k - 1 guesses, within the context
-                if self._reads(request.draft_seq, rest) and engine.pool.reserve(
-                    seq.cache, len(tokens) + min(k, engine.config.max_position - len(tokens))
-                ):
-                    runs.append((seq, rest))
-        last = [(seq, rest, 0) for (seq, _), rest in zip(runs, self._run_long(runs)) if rest]
-        if last:
-            engine.run_batch(last)
+        if self.failed:
+            return
+        with self._left_if_it_fails():
+            engine = self.engine
+            runs: list[tuple[SeqState, list[int]]] = []
+            for request, k in asks:
+                tokens = request.tokens
+                if self.offers(request):
+                    seq = self._in_step(request, len(tokens))
+                    rest = tokens[len(seq.tokens) :]
+                    # the positions of its first draft: the tokens, the next one, k - 1 guesses, within the context
+                    if self._reads(request.draft_seq, rest) and engine.pool.reserve(
+                        seq.cache, len(tokens) + min(k, engine.config.max_position - len(tokens))
+                    ):
+                        runs.append((seq, rest))
+            last = [(seq, rest, 0) for (seq, _), rest in zip(runs, self._run_long(runs)) if rest]
+            if last:
+                engine.run_batch(last)
 
     def drafts(self, asks: Sequence[tuple[Request, int]]) -> list[list[int]]:
         """Each request's guesses: its sequence caught up with its tokens, then greedy decode steps, batched over
         the requests, up to the first the draft model is less sure of than ``p_min``; none for a request whose
         draft would pass the draft model's context or KV pool, or that holds an id it has no embedding for."""
-        engine = self.engine
         guesses: list[list[int]] = [[] for _ in asks]
-        runs: list[tuple[int, SeqState, list[int], int]] = []  # (ask, sequence, tokens to run, guesses wanted)
-        for i, (request, k) in enumerate(asks):
-            tokens = request.tokens
-            k = min(k, engine.config.max_position - len(tokens) + 1)  # it runs the tokens, then k - 1 guesses
-            if k <= 0:
-                continue
-            seq = self._in_step(request, len(tokens) - 1)
-            rest = tokens[len(seq.tokens) :]
-            if self._reads(request.draft_seq, rest) and engine.pool.reserve(seq.cache, len(tokens) + k - 1):
-                runs.append((i, seq, rest, k))
-        rests = self._run_long([(seq, rest) for _, seq, rest, _ in runs])
-        steps = [(i, seq, rest, k) for (i, seq, _, k), rest in zip(runs, rests)]
-        argmax_only = self.p_min == 0  # no cutoff: a backend may choose the argmax on its device, without logits
-        while steps:
-            outs = engine.run_batch([(seq, rest, 1) for _, seq, rest, _ in steps], [argmax_only] * len(steps))
-            going = []
-            for (i, seq, _, k), out in zip(steps, outs):
-                token = greedy_token(out)
-                if token >= self.vocab_size or not argmax_only and greedy_probability(out) < self.p_min:
+        if self.failed:
+            return guesses
+        with self._left_if_it_fails():
+            engine = self.engine
+            runs: list[tuple[int, SeqState, list[int], int]] = []  # (ask, sequence, tokens to run, guesses wanted)
+            for i, (request, k) in enumerate(asks):
+                tokens = request.tokens
+                k = min(k, engine.config.max_position - len(tokens) + 1)  # it runs the tokens, then k - 1 guesses
+                if k <= 0:
                     continue
-                guesses[i].append(token)
-                if len(guesses[i]) < k:
-                    going.append((i, seq, [token], k))
-            steps = going
+                seq = self._in_step(request, len(tokens) - 1)
+                rest = tokens[len(seq.tokens) :]
+                if self._reads(request.draft_seq, rest) and engine.pool.reserve(seq.cache, len(tokens) + k - 1):
+                    runs.append((i, seq, rest, k))
+            rests = self._run_long([(seq, rest) for _, seq, rest, _ in runs])
+            steps = [(i, seq, rest, k) for (i, seq, _, k), rest in zip(runs, rests)]
+            argmax_only = self.p_min == 0  # no cutoff: a backend may choose the argmax on its device, without logits
+            while steps:
+                outs = engine.run_batch([(seq, rest, 1) for _, seq, rest, _ in steps], [argmax_only] * len(steps))
+                going = []
+                for (i, seq, _, k), out in zip(steps, outs):
+                    token = greedy_token(out)
+                    if token >= self.vocab_size or not argmax_only and greedy_probability(out) < self.p_min:
+                        continue
+                    guesses[i].append(token)
+                    if len(guesses[i]) < k:
+                        going.append((i, seq, [token], k))
+                steps = going
         return guesses
+
+    @contextmanager
+    def _left_if_it_fails(self) -> Iterator[None]:
+        """A failure of the draft model's steps (the non-finite logits of broken weights, its backend's error) is not
+        the requests': it is said once, and the draft model is left (``failed``), each request decoding without
+        guesses from then on (its sequence freed as it ends)."""
+        try:
+            yield
+        except Exception as exc:
+            log.warning("kestrel: the draft model failed (%s); decoding goes on without guesses", exc)
+            self.failed = True
 
     def _reads(self, state: DraftSequence, rest: Sequence[int]) -> bool:
         """Whether the draft model has an embedding for every id of ``rest``, the tokens its sequence is to run next

@@ -322,6 +322,39 @@ def test_a_token_the_draft_model_has_no_embedding_for_ends_that_requests_drafts(
         assert _all_free(engine) and _all_free(drafter.engine)
 
 
+def test_a_draft_model_that_fails_is_left_and_the_answers_go_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A draft model whose steps fail from its fifth on (as a draft model of NaN weights does): its failure is not
+    the requests', which get their greedy answers without guesses from then on (said once in the log), and its
+    sequences are freed."""
+    with (
+        kestrel_core.load(str(TARGET), backend="cpu") as engine,
+        kestrel_core.load(str(TARGET), backend="cpu") as draft_engine,
+    ):
+        requests = [(ids, SamplingParams(max_tokens=30, ignore_eos=True)) for ids in _prompts(engine, 4)]
+        plain, _ = _run(engine, 0, requests)
+        steps = 0
+        run_batch = draft_engine.run_batch
+
+        def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal steps
+            steps += 1
+            if steps >= 5:
+                raise KestrelError("the model produced non-finite logits")
+            return run_batch(*args, **kwargs)
+
+        monkeypatch.setattr(draft_engine, "run_batch", failing)
+        engine.draft_model = DraftModel(draft_engine, engine.config.vocab_size, p_min=0)
+        with caplog.at_level("WARNING", logger="kestrel"):
+            fast, after = _run(engine, 3, requests)
+        assert fast == plain and after.drafted > 0 and steps == 5
+        assert [r.message for r in caplog.records] == [
+            "kestrel: the draft model failed (the model produced non-finite logits); decoding goes on without guesses"
+        ]
+        assert _all_free(engine) and _all_free(draft_engine)
+
+
 def _tokenizer(edit=None, eos: str = "<|im_end|>") -> Tokenizer:  # type: ignore[no-untyped-def]
     data = json.loads((TARGET / "tokenizer.json").read_text())
     if edit is not None:
