@@ -3,19 +3,20 @@ speculative_config): a smaller model of the same vocabulary guesses a greedy req
 target model checks in one step as it checks prompt lookup's (kestrel_core.model.speculate), so the answer is the
 target's greedy answer whatever the draft guesses.
 
-The draft model is an ``Engine`` of its own on the target's backend, with the target's activations and KV cache type,
-and a KV pool of as many positions as the target's (a small one for a small model; its pages are only touched as
-they are used). Each request has a sequence in it (``Request.draft_seq``) kept in step with the request's tokens:
-it reads a greedy request's prompt in the scheduler step that runs the prompt's last chunk (``prefill``), and when
-the scheduler asks for drafts, it is rewound to where it agrees with the tokens (past the guesses the target did
-not keep) and runs the rest (the tokens the target kept, and its next one) as one chunk, whose last row's argmax is
-the first guess; each further guess is a decode step. A draft ends at the first guess whose probability under the
-draft model (the softmax of its logits) is below ``p_min``, as llama.cpp's ``--draft-p-min`` ends it: a guess the
-draft is unsure of is seldom the target's, and each costs the draft a step and the target a row. The requests of a
-scheduler step draft together: one batched step of the draft model at a time. A request's sequence is freed when
-it ends or is preempted. A request whose tokens hold an id past the draft model's vocabulary (the target's may be
-padded further) drafts no more from there on: the draft model has no embedding for it. A draft model whose step
-fails is left, with a warning: its failure is not the requests', which decode without guesses from then on.
+The draft model is an ``Engine`` of its own on the target's backend, with the target's activations and KV cache
+type, and a KV pool of as many positions as the target's, as far as the machine's memory holds them (a small one for
+a small model; its pages are only touched as they are used). Each request has a sequence in it
+(``Request.draft_seq``) kept in step with the request's tokens: it reads a greedy request's prompt in the scheduler
+step that runs the prompt's last chunk (``prefill``), and when the scheduler asks for drafts, it is rewound to where
+it agrees with the tokens (past the guesses the target did not keep) and runs the rest (the tokens the target kept,
+and its next one) as one chunk, whose last row's argmax is the first guess; each further guess is a decode step. A
+draft ends at the first guess whose probability under the draft model (the softmax of its logits) is below
+``p_min``, as llama.cpp's ``--draft-p-min`` ends it: a guess the draft is unsure of is seldom the target's, and each
+costs the draft a step and the target a row. The requests of a scheduler step draft together: one batched step of
+the draft model at a time. A request's sequence is freed when it ends or is preempted. A request whose tokens hold
+an id past the draft model's vocabulary (the target's may be padded further) drafts no more from there on: the draft
+model has no embedding for it. A draft model whose step fails is left, with a warning: its failure is not the
+requests', which decode without guesses from then on.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from kestrel_core.batch import greedy_probability, greedy_token
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.engine import Engine, SeqState
-from kestrel_core.model.kv_pool import bytes_per_position
+from kestrel_core.model.kv_pool import KVPool
 from kestrel_core.model.speculate import DRAFT_P_MIN, Guesser
 from kestrel_core.model.weights import PREFILL_CHUNK
 
@@ -248,11 +249,12 @@ def attach_draft_model(target: Engine, source: str, quant: str | None = None, p_
         if unfit is not None:
             raise KestrelError(f"it cannot draft for this model: {unfit}")
         pool = target.pool
-        block_bytes = bytes_per_position(config, pool.kv_type) * pool.block_size
         engine = load(
             loaded,
             backend=target.backend_name,
-            kv_cache_mb=(pool.num_blocks + 1) * block_bytes / 2**20,  # a block over, for rounding MB to blocks
+            # as many positions as the target's pool, where the machine's memory holds them (a draft whose positions
+            # take more bytes than the target's may not); a request past them decodes without guesses
+            kv_cache_mb=KVPool.budget_for(config, pool.capacity, pool.kv_type),
             activations=target.activations,
             backend_options=target.registry.options if target.registry is not None else None,
             kv_cache_type=pool.kv_type,

@@ -122,6 +122,13 @@ class KVPool:
                                    f"({per_block / 2 ** 20:.2f} MB each)")
         return blocks
 
+    @staticmethod
+    def budget_for(config: ModelConfig, positions: int, kv_type: str = "f16") -> float:
+        """The budget (MB) of a pool of ``config``'s that holds ``positions`` positions (a block over, for the
+        rounding of MB to blocks), or the machine's memory where that is less: the most a budget may be."""
+        per_block = max(bytes_per_position(config, kv_type), 1) * BLOCK_SIZE
+        return min((-(-positions // BLOCK_SIZE) + 1) * per_block, _memory_bytes() >> 20 << 20) / 2 ** 20
+
     @property
     def free_blocks(self) -> int:
         """Blocks a sequence can take: free ones, and cached ones no sequence holds."""

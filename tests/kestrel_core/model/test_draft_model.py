@@ -355,6 +355,24 @@ def test_a_draft_model_that_fails_is_left_and_the_answers_go_on(
         assert _all_free(engine) and _all_free(draft_engine)
 
 
+def test_a_draft_model_whose_positions_take_more_memory_holds_what_the_machine_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tiny-qwen3 (1536 bytes a position) drafting for tiny-llama (256) with a 2 MB KV cache, on a machine of 8 MB:
+    the draft's pool of as many positions would take 12 MB; it holds what 8 MB do, and drafts within them."""
+    from kestrel_core.model import kv_pool
+
+    monkeypatch.setattr(kv_pool, "_memory_bytes", lambda: 8 << 20)
+    with kestrel_core.load(str(FIXTURES / "tiny-llama"), backend="cpu", kv_cache_mb=2) as engine:
+        requests = [(ids, SamplingParams(max_tokens=30, ignore_eos=True)) for ids in _prompts(engine, 3)]
+        plain, _ = _run(engine, 0, requests)
+        drafter = attach_draft_model(engine, str(TARGET), p_min=0)
+        pool = drafter.engine.pool
+        assert pool.num_blocks == (8 << 20) // (kv_pool.bytes_per_position(drafter.engine.config) * pool.block_size)
+        fast, after = _run(engine, 3, requests)
+        assert fast == plain and after.drafted > 0
+
+
 def _tokenizer(edit=None, eos: str = "<|im_end|>") -> Tokenizer:  # type: ignore[no-untyped-def]
     data = json.loads((TARGET / "tokenizer.json").read_text())
     if edit is not None:
