@@ -6,7 +6,8 @@ one preempted is the most recently admitted. ``priority``: each request has an i
 default); requests are admitted by ``rank``, (priority, arrival), a preempted one waiting in its place by rank; the
 running ones are ordered by rank too, so that the one preempted is the worst: the largest priority, the latest to
 arrive among equals. A waiting request of better (lower) priority than the worst running one preempts it where the
-KV cache has no room for it (``Scheduler._make_room``); one of equal priority waits.
+KV cache has no room for it (``outranked``, ``Scheduler._make_room``), steps fed ahead on a device included; one of
+equal priority waits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kestrel_core.errors import InvalidRequest, KestrelError
@@ -46,6 +47,18 @@ def checked_priority(policy: str, priority: object) -> int:
 def rank(request: Request) -> tuple[int, int]:
     """A request's place under the priority policy: the lower first."""
     return request.priority, request.arrival_index
+
+
+def outranked(waiting: RequestQueue, running: Sequence[Request], has_room: Callable[[Request], bool]) -> bool:
+    """Under the priority policy: whether the next waiting request is of better priority than the worst running one
+    and ``has_room`` says the KV cache has no room for it, so that the worst running one is preempted for it."""
+    return (
+        waiting.policy == PRIORITY
+        and bool(waiting)
+        and bool(running)
+        and waiting[0].priority < max(r.priority for r in running)
+        and not has_room(waiting[0])
+    )
 
 
 class RequestQueue:

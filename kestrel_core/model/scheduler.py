@@ -16,9 +16,10 @@ soon as this one's tokens are in, and the host then detokenizes and reports them
 backend also takes fed rows (``Engine.feeds``) and every request the running step returns a token for has it chosen
 on the device (greedy, ``argmax_only``), the next step starts before that: its decode rows run the tokens the device
 chose, so the device never waits for the host; only the requests that ``max_tokens`` or the context end at the
-running step are left out of it, and it admits no request that would need another preempted. A request that the
-running step ends (EOS, a stop string, an abort) has a row in the next one already: that row's token is dropped, and
-the request's sequence is freed once that step is in.
+running step are left out of it, and it admits no request that would need another preempted (nor starts while a
+waiting request of better priority needs room: the next step is scheduled as usual, and preempts for it). A request
+that the running step ends (EOS, a stop string, an abort) has a row in the next one already: that row's token is
+dropped, and the request's sequence is freed once that step is in.
 
 With ``Engine.speculate`` set, where sequences rewind (``Engine.rewinds``), a greedy request's decode row is
 followed by up to that many guessed tokens, within the token budget every decode row and prompt chunk left: from its
@@ -51,7 +52,7 @@ from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.grammar import Constraint, prepare_masks
 from kestrel_core.model.lone_decode import LoneDecode
 from kestrel_core.model.request import FINISHED, RUNNING, WAITING, Request, RequestOutput, checked_prompt
-from kestrel_core.model.request_queue import FCFS, PRIORITY, RequestQueue, checked_priority, rank
+from kestrel_core.model.request_queue import FCFS, PRIORITY, RequestQueue, checked_priority, outranked, rank
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.scoring import Scoring
 from kestrel_core.model.speculate import Guesser, LookupGuesser
@@ -283,6 +284,8 @@ class Scheduler(LoneDecode):
                 return None  # a request sampled (or scored) on the host: its next token is not the device's
             if self.speculate and any(r.draft or self._would_guess(r) for r, _, _ in before[0] if not r.finished):
                 return None  # its next step guesses from the running step's tokens, or may
+            if outranked(self.waiting, self.running, self._has_room):
+                return None  # a better waiting request preempts for room (``_make_room``), which a fed step does not
             ahead = {id(r): (1 if toks is None else len(toks), rows) for r, toks, rows in before[0]}
             self._running_step = before  # what ends while scheduling is held for the step on the device
         elif self._start_error is not None:
@@ -400,8 +403,7 @@ class Scheduler(LoneDecode):
         preempts), and those of worse priority than the next waiting request preempted, the worst first, while it
         has no room."""
         self.running.sort(key=rank)
-        while (self.waiting and self.running and self.waiting[0].priority < self.running[-1].priority
-               and not self._has_room(self.waiting[0])):
+        while outranked(self.waiting, self.running, self._has_room):
             self._preempt(self.running[-1])
 
     def _prompt_chunk(self, request: Request, n: int) -> int:

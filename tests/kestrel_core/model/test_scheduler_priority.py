@@ -14,6 +14,8 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
 from kestrel_core.model.scoring import Scoring
 
+from ..test_selftest import FORWARD_BATCH_BACKEND
+
 SHORT = SamplingParams(max_tokens=4)
 
 
@@ -157,3 +159,32 @@ def test_a_waiting_request_of_better_priority_preempts_for_room(
     _run(scheduler, tokens)
     assert [tokens[running.request_id], tokens[waiting.request_id]] == alone
     assert tight.pool.free_blocks == tight.pool.num_blocks
+
+
+def test_a_better_request_preempts_for_room_where_steps_start_ahead(model, tmp_path, monkeypatch) -> None:
+    """On a backend that starts each step before the one running is in, its greedy rows fed on the device
+    (``Engine.feeds``: the CUDA backend's whole steps), a waiting request of better priority preempts the running one
+    for room as it does where steps run one at a time, rather than waiting for it to finish; both give the tokens
+    they give alone."""
+    (tmp_path / "fed.py").write_text(FORWARD_BATCH_BACKEND.format(mode="fed", name="fed"))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "fed.py"))
+    with kestrel_core.load(model, backend="fed", activations="q8", kv_cache_mb=0.125) as engine:
+        assert engine.feeds and engine.pool.num_blocks == 8
+        vocab = engine.config.vocab_size
+        long, late = _prompt(100, 3, vocab), _prompt(120, 4, vocab)
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        alone = [list(engine.generate(p, params=params)) for p in (long, late)]
+        scheduler = Scheduler(engine, max_batch=2, policy="priority")
+        running = scheduler.add(long, params, priority=5)
+        tokens: dict[str, list[int]] = {}
+        while len(tokens.get(running.request_id, ())) < 2:
+            for out in scheduler.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        waiting = scheduler.add(late, params, priority=0)
+        for _ in range(2):  # the step on the device, then the one that preempts
+            for out in scheduler.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert running.preemptions == 1 and tokens.get(waiting.request_id)
+        _run(scheduler, tokens)
+        assert [tokens[running.request_id], tokens[waiting.request_id]] == alone
+        assert engine.pool.free_blocks == engine.pool.num_blocks
