@@ -22,6 +22,7 @@ from kestrel_core.model.chat_template import (
     template_content,
 )
 from kestrel_core.model.gguf_vocab import build_gguf_vocab
+from kestrel_core.model.hf_config import read_json
 from kestrel_core.model.reasoning import reasoning_markers, without_reasoning
 from kestrel_core.model.validate import check_regular_file
 
@@ -34,11 +35,7 @@ def _processor_template(model_dir: Path) -> str | None:
     path = model_dir / PROCESSOR_TEMPLATE
     if not path.is_file():
         return None
-    try:
-        data = json.loads(check_regular_file(path, model_dir).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise KestrelError(f"{path}: cannot read it ({one_line(exc)})") from None
-    template = data.get("chat_template") if isinstance(data, dict) else None
+    template = read_json(check_regular_file(path, model_dir)).get("chat_template")
     if not isinstance(template, str):
         raise KestrelError(f"{path}: expected an object whose chat_template is a string")
     return template
