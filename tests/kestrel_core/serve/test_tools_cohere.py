@@ -39,6 +39,11 @@ def _command_r(*calls: tuple[str, dict[str, Any]]) -> str:
     return "Action: ```json\n" + json.dumps([{"tool_name": n, "parameters": a} for n, a in calls], indent=4) + "\n```"
 
 
+def _as_text(fmt: str, text: str) -> tuple[str, str, Parsed]:
+    """A case read as it came: all content, no calls."""
+    return fmt, text, Parsed(text, ())
+
+
 CASES = [
     (COHERE, _action(("f", {"x": 1})), Parsed(None, _calls(("f", {"x": 1})))),
     (COHERE, _action(("f", {"x": 1}), ("g", {})), Parsed(None, _calls(("f", {"x": 1}), ("g", {})))),
@@ -46,43 +51,19 @@ CASES = [
     (COHERE, _action(("f", {})).removesuffix("<|END_ACTION|>"), Parsed(None, _calls(("f", {})))),  # cut before its end
     (COHERE, '<|START_ACTION|>[{"tool_name": "f"}]<|END_ACTION|>', Parsed(None, _calls(("f", {})))),
     # malformed: as it came
-    (
-        COHERE,
-        '<|START_ACTION|>[{"tool_name": "f", "parameters": {"x": 1}<|END_ACTION|>',
-        Parsed('<|START_ACTION|>[{"tool_name": "f", "parameters": {"x": 1}<|END_ACTION|>', ()),
-    ),
-    (
-        COHERE,
-        '<|START_ACTION|>{"tool_name": "f", "parameters": {}}<|END_ACTION|>',
-        Parsed('<|START_ACTION|>{"tool_name": "f", "parameters": {}}<|END_ACTION|>', ()),
-    ),  # not a list
-    (
-        COHERE,
-        '<|START_ACTION|>[{"name": "f", "arguments": {}}]<|END_ACTION|>',
-        Parsed('<|START_ACTION|>[{"name": "f", "arguments": {}}]<|END_ACTION|>', ()),
-    ),  # not Cohere's keys
-    (
-        COHERE,
-        '<|START_ACTION|>[{"tool_name": "f", "parameters": []}]<|END_ACTION|>',
-        Parsed('<|START_ACTION|>[{"tool_name": "f", "parameters": []}]<|END_ACTION|>', ()),
-    ),
-    (COHERE, "<|START_ACTION|>[]<|END_ACTION|>", Parsed("<|START_ACTION|>[]<|END_ACTION|>", ())),
-    (COHERE, "Sunny in Paris.", Parsed("Sunny in Paris.", ())),
+    _as_text(COHERE, '<|START_ACTION|>[{"tool_name": "f", "parameters": {"x": 1}<|END_ACTION|>'),
+    _as_text(COHERE, '<|START_ACTION|>{"tool_name": "f", "parameters": {}}<|END_ACTION|>'),  # not a list
+    _as_text(COHERE, '<|START_ACTION|>[{"name": "f", "arguments": {}}]<|END_ACTION|>'),  # not Cohere's keys
+    _as_text(COHERE, '<|START_ACTION|>[{"tool_name": "f", "parameters": []}]<|END_ACTION|>'),
+    _as_text(COHERE, "<|START_ACTION|>[]<|END_ACTION|>"),
+    _as_text(COHERE, "Sunny in Paris."),
     (COMMAND_R, _command_r(("f", {"x": 1}), ("g", {})), Parsed(None, _calls(("f", {"x": 1}), ("g", {})))),
     (COMMAND_R, "I will look it up.\n" + _command_r(("f", {})), Parsed("I will look it up.", _calls(("f", {})))),
     (COMMAND_R, 'Action:\n```json\n[{"tool_name": "f", "parameters": {}}]```', Parsed(None, _calls(("f", {})))),
     (COMMAND_R, _command_r(("f", {})).removesuffix("```"), Parsed(None, _calls(("f", {})))),
-    (
-        COMMAND_R,
-        'Action: ```json\n[{"tool_name": "f", "parameters": {}}\n```',
-        Parsed('Action: ```json\n[{"tool_name": "f", "parameters": {}}\n```', ()),
-    ),
-    (
-        COMMAND_R,
-        'Action: ```json\n[{"tool_name": "f", "parameters": {}}] and then text',
-        Parsed('Action: ```json\n[{"tool_name": "f", "parameters": {}}] and then text', ()),
-    ),
-    (COMMAND_R, "Action: none needed.", Parsed("Action: none needed.", ())),
+    _as_text(COMMAND_R, 'Action: ```json\n[{"tool_name": "f", "parameters": {}}\n```'),
+    _as_text(COMMAND_R, 'Action: ```json\n[{"tool_name": "f", "parameters": {}}] and then text'),
+    _as_text(COMMAND_R, "Action: none needed."),
 ]
 
 
