@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--quant", default="q8", choices=("q8", "q4"))
     ap.add_argument("--steps", type=int, default=48, help="rows, one decode step's experts each")
+    ap.add_argument("--rows-alike", action="store_true",
+                    help="every row the same, so each launch reads the experts the one before read (from L2)")
     args = ap.parse_args()
 
     import cupy as cp
@@ -59,6 +61,8 @@ def main() -> None:
     norm = ops.upload(np.ones(d, np.float32))
     router = ops.upload((0.05 * rng.standard_normal((e, d))).astype(np.float32))
     rows = rng.standard_normal((s, d)).astype(np.float32)
+    if args.rows_alike:
+        rows[:] = rows[0]
     h, ssq = ops.upload(rows), ops.upload(np.stack([_row_ssq(r) for r in rows]))
     xn, logits, counters = ops.zeros((s, d), np.float32), ops.zeros((s, e + 1), np.float32), ops.zeros(s, np.int32)
     sel, wts = ops.zeros((s, k), np.int32), ops.zeros((s, k + 1), np.float32)
