@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--quant", default="q8", choices=("q8", "q4"))
     ap.add_argument("--steps", type=int, default=48, help="rows, one decode step's experts each")
+    ap.add_argument("--chosen", type=int, default=0, help="experts chosen a row (default: the preset's)")
     ap.add_argument("--rows-alike", action="store_true",
                     help="every row the same, so each launch reads the experts the one before read (from L2)")
     args = ap.parse_args()
@@ -39,7 +40,8 @@ def main() -> None:
     c = preset_config(args.preset)
     if not c.is_moe:
         raise SystemExit(f"{args.preset} is not a mixture of experts")
-    e, k, d, f, s = c.num_experts, c.experts_per_token, c.hidden_size, c.expert_intermediate_size, args.steps
+    e, d, f, s = c.num_experts, c.hidden_size, c.expert_intermediate_size, args.steps
+    k = args.chosen or c.experts_per_token
     bits = 8 if args.quant == "q8" else 4
     ops = CupyOps()
     rng = np.random.default_rng(0)
