@@ -34,7 +34,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import KV_TYPES, POOLINGS
 from kestrel_core.model.reasoning import THINK_LEVELS
 from kestrel_core.model.request_queue import POLICIES
-from kestrel_core.model.speculate import DRAFT_P_MIN
+from kestrel_core.model.speculate import DRAFT_MIN, DRAFT_P_MIN
 
 # -- backends / selftest ------------------------------------------------------------------------------
 
@@ -202,6 +202,9 @@ def _speculate_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-p-min", type=float, default=None, metavar="P",
                    help="the --draft-model's guesses stop at the first it gives a probability below P (the softmax "
                         f"of its logits; llama.cpp's --draft-p-min; default: {DRAFT_P_MIN}; 0: up to N every step)")
+    p.add_argument("--draft-min", type=int, default=None, metavar="M",
+                   help="a --draft-model's draft of fewer than M guesses is not checked: the step decodes without it "
+                        f"(llama.cpp's --draft-min; default: {DRAFT_MIN}; at most --speculate N)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

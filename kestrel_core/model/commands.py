@@ -28,7 +28,7 @@ from kestrel_core.model.fim import fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, regex_grammar
 from kestrel_core.model.harmony import HarmonyStream, is_harmony
 from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, reasoning_markers, think_kwargs
-from kestrel_core.model.speculate import DRAFT_P_MIN
+from kestrel_core.model.speculate import DRAFT_MIN, DRAFT_P_MIN
 from kestrel_core.model.validate import read_line_stdin, read_text_stdin
 
 
@@ -49,7 +49,7 @@ def _open_engine(args: argparse.Namespace) -> Engine:
     err.print(engine.backend_line, soft_wrap=True)
     try:
         set_speculate(engine, getattr(args, "speculate", 0), getattr(args, "draft_model", None), args.quant,
-                      getattr(args, "draft_p_min", None))
+                      getattr(args, "draft_p_min", None), getattr(args, "draft_min", None))
     except BaseException:
         engine.close()
         raise
@@ -57,10 +57,10 @@ def _open_engine(args: argparse.Namespace) -> Engine:
 
 
 def set_speculate(engine: Engine, tokens: int, draft_model: str | None = None, quant: str | None = None,
-                  draft_p_min: float | None = None) -> None:
+                  draft_p_min: float | None = None, draft_min: int | None = None) -> None:
     """``--speculate``, and ``--draft-model`` (loaded at ``quant`` where the engine guesses at all, its guesses cut
-    at ``--draft-p-min``, DRAFT_P_MIN where None): set, with a note where this model and backend decode without
-    guesses."""
+    at ``--draft-p-min``, DRAFT_P_MIN where None, its drafts of fewer than ``--draft-min`` dropped, DRAFT_MIN where
+    None): set, with a note where this model and backend decode without guesses."""
     engine.speculate = tokens
     if engine.speculate and not engine.rewinds:
         why = ("its recurrent layers keep a state, which cannot take back a wrong guess"
@@ -71,7 +71,8 @@ def set_speculate(engine: Engine, tokens: int, draft_model: str | None = None, q
     elif engine.speculate and draft_model is not None:
         from kestrel_core.model.draft_model import attach_draft_model
 
-        attach_draft_model(engine, draft_model, quant, DRAFT_P_MIN if draft_p_min is None else draft_p_min)
+        attach_draft_model(engine, draft_model, quant, DRAFT_P_MIN if draft_p_min is None else draft_p_min,
+                           DRAFT_MIN if draft_min is None else draft_min)
 
 
 def _note_options(engine: Engine, args: argparse.Namespace) -> None:

@@ -12,7 +12,10 @@ it agrees with the tokens (past the guesses the target did not keep) and runs th
 and its next one) as one chunk, whose last row's argmax is the first guess; each further guess is a decode step. A
 draft ends at the first guess whose probability under the draft model (the softmax of its logits) is below
 ``p_min``, as llama.cpp's ``--draft-p-min`` ends it: a guess the draft is unsure of is seldom the target's, and each
-costs the draft a step and the target a row. The requests of a scheduler step draft together: one batched step of
+costs the draft a step and the target a row. A draft of fewer than ``n_min`` guesses is dropped, the step decoding
+without it, and one asked for fewer than ``n_min`` is not drafted at all, as llama.cpp's ``--draft-min`` drops it
+(its server's draft model; the n-gram drafts there have minima of their own, and so prompt lookup here has
+MIN_NGRAM and its pauses, not ``n_min``). The requests of a scheduler step draft together: one batched step of
 the draft model at a time. A request's sequence is freed when it ends or is preempted. A request whose tokens hold
 an id past the draft model's vocabulary (the target's may be padded further) drafts no more from there on: the draft
 model has no embedding for it. A draft model whose step fails is left, with a warning: its failure is not the
@@ -31,7 +34,8 @@ from kestrel_core.batch import greedy_probability, greedy_token
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.engine import Engine, SeqState
 from kestrel_core.model.kv_pool import KVPool
-from kestrel_core.model.speculate import DRAFT_P_MIN, Guesser
+from kestrel_core.model.speculate import DRAFT_MIN, DRAFT_P_MIN, Guesser
+from kestrel_core.model.validate import is_int
 from kestrel_core.model.weights import PREFILL_CHUNK
 
 if TYPE_CHECKING:
@@ -61,12 +65,13 @@ class DraftModel(Guesser):
     """Drafts by a draft model's greedy decoding (see the module docstring): ``engine`` is the draft model's,
     ``vocab_size`` the target's (a guess past it, a padded vocabulary's id, ends the draft), ``p_min`` the
     probability under the draft model below which a guess ends the draft (0: none does; every guess is then only
-    the device's argmax, without its logits)."""
+    the device's argmax, without its logits), ``n_min`` the fewest guesses a draft is checked with (0: any)."""
 
-    def __init__(self, engine: Engine, vocab_size: int, p_min: float = DRAFT_P_MIN) -> None:
+    def __init__(self, engine: Engine, vocab_size: int, p_min: float = DRAFT_P_MIN, n_min: int = DRAFT_MIN) -> None:
         self.engine = engine
         self.vocab_size = vocab_size
         self.p_min = checked_p_min(p_min)
+        self.n_min = checked_n_min(n_min)
         self.failed = False  # its step failed: it drafts no more (``_left_if_it_fails``)
 
     def offers(self, request: Request) -> bool:
@@ -110,7 +115,8 @@ class DraftModel(Guesser):
     def drafts(self, asks: Sequence[tuple[Request, int]]) -> list[list[int]]:
         """Each request's guesses: its sequence caught up with its tokens, then greedy decode steps, batched over
         the requests, up to the first the draft model is less sure of than ``p_min``; none for a request whose
-        draft would pass the draft model's context or KV pool, or that holds an id it has no embedding for."""
+        draft would pass the draft model's context or KV pool, or that holds an id it has no embedding for, and none
+        of fewer than ``n_min`` guesses (not drafted at all where fewer are asked for)."""
         guesses: list[list[int]] = [[] for _ in asks]
         if self.failed:
             return guesses
@@ -120,7 +126,7 @@ class DraftModel(Guesser):
             for i, (request, k) in enumerate(asks):
                 tokens = request.tokens
                 k = min(k, engine.config.max_position - len(tokens) + 1)  # it runs the tokens, then k - 1 guesses
-                if k <= 0:
+                if k <= 0 or k < self.n_min:
                     continue
                 seq = self._in_step(request, len(tokens) - 1)
                 rest = tokens[len(seq.tokens) :]
@@ -140,7 +146,8 @@ class DraftModel(Guesser):
                     if len(guesses[i]) < k:
                         going.append((i, seq, [token], k))
                 steps = going
-        return guesses
+        # the sequences keep a dropped draft's guesses: the next draft rewinds them as any it ran
+        return [guess if len(guess) >= self.n_min else [] for guess in guesses]
 
     @contextmanager
     def _left_if_it_fails(self) -> Iterator[None]:
@@ -199,6 +206,13 @@ def checked_p_min(p_min: float) -> float:
     return p_min
 
 
+def checked_n_min(n_min: int) -> int:
+    """The fewest guesses a draft is checked with, or a KestrelError (one line) for one that is not an integer >= 0."""
+    if not is_int(n_min) or n_min < 0:
+        raise KestrelError(f"the draft model's n_min must be an integer >= 0, got {n_min!r}")
+    return int(n_min)
+
+
 def vocabulary_mismatch(target: Any, draft: Any) -> str | None:
     """How a draft model's tokenizer differs from the target's, as llama.cpp's common_speculative_are_compatible
     compares them: the kind of vocabulary (BPE, Unigram...), the beginning- and end-of-text tokens, the sizes
@@ -228,16 +242,20 @@ def vocabulary_mismatch(target: Any, draft: Any) -> str | None:
     return None
 
 
-def attach_draft_model(target: Engine, source: str, quant: str | None = None, p_min: float = DRAFT_P_MIN) -> DraftModel:
+def attach_draft_model(
+    target: Engine, source: str, quant: str | None = None, p_min: float = DRAFT_P_MIN, n_min: int = DRAFT_MIN
+) -> DraftModel:
     """The draft model at ``source`` (what ``load`` takes: a Hugging Face directory or Hub name, a .gguf, a .kst),
     loaded at ``quant`` on ``target``'s backend with its activations, drafting up to a guess it gives less
-    probability than ``p_min``, set as ``target.draft_model`` and closed with it. A KestrelError (one line) where it
+    probability than ``p_min``, its drafts of fewer than ``n_min`` guesses dropped, set as ``target.draft_model``
+    and closed with it. A KestrelError (one line) where it
     cannot draft for ``target``: another vocabulary, an embedding model, or one whose guesses cannot be taken back
     (recurrent layers, a backend's KV cache that does not rewind)."""
     from kestrel_core.model.engine_load import load
     from kestrel_core.model.loader import load_model
 
     checked_p_min(p_min)  # before the model loads
+    checked_n_min(n_min)
     try:
         loaded = load_model(source, quant=quant)
         config = loaded.model.config
@@ -267,7 +285,7 @@ def attach_draft_model(target: Engine, source: str, quant: str | None = None, p_
             )
     except KestrelError as exc:
         raise KestrelError(f"the draft model {source}: {exc}") from None
-    draft = DraftModel(engine, target.config.vocab_size, p_min)
+    draft = DraftModel(engine, target.config.vocab_size, p_min, n_min)
     target.draft_model = draft
     target.on_close(engine.close)
     return draft

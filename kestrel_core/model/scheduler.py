@@ -470,7 +470,8 @@ class Scheduler(LoneDecode):
         drafts = self.guesser.drafts([(request, k) for _, request, k in asks]) if asks else []
         for (i, request, _), draft in zip(asks, drafts):
             draft = draft[:budget]
-            if draft and self.pool.reserve(request.seq.cache, len(request.seq.tokens) + 1 + len(draft)):
+            checked = len(draft) >= max(1, self.guesser.n_min)  # as a draft the guesser gave short of its n_min
+            if checked and self.pool.reserve(request.seq.cache, len(request.seq.tokens) + 1 + len(draft)):
                 request.draft = draft
                 self.drafted += len(draft)
                 work[i] = self._chunk(request, 1 + len(draft))

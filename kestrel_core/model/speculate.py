@@ -28,6 +28,8 @@ MAX_PAUSE = 32  # tokens without drafts after checks that kept none of theirs: 2
 # A draft model's guesses stop at the first that it gives a lower probability than this (--draft-p-min):
 # llama.cpp's --draft-p-min default
 DRAFT_P_MIN = 0.75
+# A draft model's draft of fewer guesses than this is not checked (--draft-min): llama.cpp's --draft-min default
+DRAFT_MIN = 0
 
 
 class PromptLookup:
@@ -75,15 +77,19 @@ class PromptLookup:
 
 class Guesser:
     """Where a scheduler's drafts come from (``Scheduler.guesser``). It is asked only for greedy requests that
-    decode, for no more tokens than their max_tokens and the context leave."""
+    decode, for no more tokens than their max_tokens and the context leave. A draft of fewer than ``n_min`` tokens
+    is not checked: the step decodes without it."""
+
+    n_min = 0
 
     def offers(self, request: Request) -> bool:
         """Whether a draft may follow ``request``'s latest token (while it may, its steps are not pipelined)."""
         raise NotImplementedError
 
     def drafts(self, asks: Sequence[tuple[Request, int]]) -> list[list[int]]:
-        """Up to ``k`` tokens guessed after each (request, k)'s latest token, one list each ([]: no guess); the
-        first j tokens of a draft are the draft that asking for j gives (the scheduler may keep fewer)."""
+        """Up to ``k`` tokens guessed after each (request, k)'s latest token, one list each ([]: no guess), none
+        shorter than ``n_min``; the first j >= ``n_min`` tokens of a draft are the draft that asking for j gives (the
+        scheduler may keep fewer)."""
         raise NotImplementedError
 
     def prefill(self, asks: Sequence[tuple[Request, int]]) -> None:

@@ -311,7 +311,7 @@ CLI_INT_RANGES: dict[str, tuple[int, int | None]] = {
     "max_tokens": (1, None), "top_k": (0, None), "seed": (0, 2 ** 63 - 1), "seeds": (1, 10_000),
     "prompt_tokens": (1, None), "decode_tokens": (1, None), "runs": (1, 10_000), "warmup": (0, 10_000),
     "port": (0, 65535), "max_batch": (1, None), "max_waiting": (0, None), "token_budget": (1, None),
-    "dimensions": (1, None), "speculate": (0, 64), "max_model_len": (1, None),
+    "dimensions": (1, None), "speculate": (0, 64), "max_model_len": (1, None), "draft_min": (0, None),
 }
 CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repetition_penalty": (0.0, 10.0),
@@ -353,6 +353,13 @@ def check_cli_args(args: Any) -> None:
         raise KestrelError("--draft-model guesses the --speculate N tokens a step: give --speculate too")
     if getattr(args, "draft_p_min", None) is not None and getattr(args, "draft_model", None) is None:
         raise KestrelError("--draft-p-min is where the --draft-model's guesses stop: give --draft-model too")
+    draft_min = getattr(args, "draft_min", None)
+    if draft_min is not None and getattr(args, "draft_model", None) is None:
+        raise KestrelError("--draft-min is the fewest guesses a --draft-model's draft is checked with: give "
+                           "--draft-model too")
+    if draft_min is not None and draft_min > getattr(args, "speculate", 0):
+        raise KestrelError(f"--draft-min {draft_min} is more than --speculate {getattr(args, 'speculate', 0)}: no "
+                           "draft would be checked")
     for name, value in vars(args).items():  # Python decodes the command line's invalid UTF-8 as lone surrogates
         if name in _PATHS:  # a file's name may be any bytes
             continue

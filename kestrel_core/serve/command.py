@@ -85,7 +85,7 @@ def serve_command(args: argparse.Namespace) -> int:
             for model in args.model or [None]:
                 engines.append(load(model, **options, **loading))
         for engine in engines:
-            set_speculate(engine, args.speculate, args.draft_model, args.quant, args.draft_p_min)
+            set_speculate(engine, args.speculate, args.draft_model, args.quant, args.draft_p_min, args.draft_min)
             if args.no_model_sampling:
                 engine.sampling_defaults = {}
         status = serve(engines, host=args.host, port=args.port, api_key=api_key, sock=sock,

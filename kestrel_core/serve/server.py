@@ -318,9 +318,13 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
 
 
 def _describe(name: str, engine: Any, pooling: str | None) -> str:
-    """One model in the startup line: its name, what it does, its backend, the sampling it recommends."""
+    """One model in the startup line: its name, what it does, its backend, the draft model that guesses its
+    tokens, the sampling it recommends."""
     pooled = engine.config.pooling
     kind = f", embeddings only ({pooling or pooled} pooling)" if pooled else ""
+    draft = getattr(engine, "draft_model", None)
+    drafts = (f", draft model {draft.engine.source} guessing up to {engine.speculate} tokens a step"
+              if draft is not None and getattr(engine, "speculate", 0) else "")
     sampling = ", ".join(f"{k} {v:g}" for k, v in engine.sampling_defaults.items())
     recommends = f", sampling by default as it recommends: {sampling}" if sampling and not pooled else ""
-    return f"model {name}{kind}, backend {getattr(engine, 'backend_name', '?')}{recommends}"
+    return f"model {name}{kind}, backend {getattr(engine, 'backend_name', '?')}{drafts}{recommends}"
