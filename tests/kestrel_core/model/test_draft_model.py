@@ -160,25 +160,100 @@ def _asked(prompt: list[int]) -> SimpleNamespace:
     return SimpleNamespace(tokens=prompt, prompt_ids=prompt, draft_seq=None)
 
 
+def _a_cutoff(engine: kestrel_core.Engine, k: int) -> tuple[list[int], list[int], int, float]:
+    """A prompt, ``engine``'s greedy k tokens after it, a position j >= 2 among them, and a cutoff between the
+    probability of its guess and the lowest of those before it (where the draft of that cutoff ends)."""
+    for prompt in _prompts(engine, 20, seed=7):
+        tokens, probabilities = _greedy_with_probabilities(engine, prompt, k)
+        # a position from 2 on whose guess is less sure than every one before it
+        stops = [j for j in range(2, k) if probabilities[j] < min(probabilities[:j])]
+        if stops:
+            j = stops[0]
+            return prompt, tokens, j, (probabilities[j] + min(probabilities[:j])) / 2
+    raise AssertionError("no prompt whose draft's probabilities fall to a new low after two guesses")
+
+
 def test_a_draft_stops_at_the_first_guess_below_p_min() -> None:
     """A cutoff between a guess's probability and the lowest of those before it: the draft is the greedy tokens up
     to that guess; without a cutoff, all k of them."""
     k = 6
     with kestrel_core.load(str(FIXTURES / "tiny-llama"), backend="cpu") as engine:
-        for prompt in _prompts(engine, 20, seed=7):
-            tokens, probabilities = _greedy_with_probabilities(engine, prompt, k)
-            # a position from 2 on whose guess is less sure than every one before it
-            stops = [j for j in range(2, k) if probabilities[j] < min(probabilities[:j])]
-            if stops:
-                break
-        assert stops, "no prompt whose draft's probabilities fall to a new low after two guesses"
-        j = stops[0]
-        for p_min, expected in ((0, tokens), ((probabilities[j] + min(probabilities[:j])) / 2, tokens[:j])):
+        prompt, tokens, j, cutoff = _a_cutoff(engine, k)
+        for p_min, expected in ((0, tokens), (cutoff, tokens[:j])):
             drafter = DraftModel(engine, engine.config.vocab_size, p_min)
             request = _asked(prompt)
             assert drafter.drafts([(request, k)]) == [expected], p_min
             drafter.forget(request)
         assert _all_free(engine)
+
+
+def test_a_draft_of_fewer_guesses_than_n_min_is_dropped() -> None:
+    """The draft a cutoff ends after j greedy tokens: kept with n_min j, dropped with n_min j + 1; one asked for fewer
+    guesses than n_min is not drafted at all (the request gets no sequence in the draft model)."""
+    k = 6
+    with kestrel_core.load(str(FIXTURES / "tiny-llama"), backend="cpu") as engine:
+        prompt, tokens, j, cutoff = _a_cutoff(engine, k)
+        for n_min, expected in ((0, tokens[:j]), (j, tokens[:j]), (j + 1, [])):
+            drafter = DraftModel(engine, engine.config.vocab_size, cutoff, n_min)
+            request = _asked(prompt)
+            assert drafter.drafts([(request, k)]) == [expected], n_min
+            drafter.forget(request)
+        drafter = DraftModel(engine, engine.config.vocab_size, 0, n_min=k)
+        short, full = _asked(prompt), _asked(prompt)
+        assert drafter.drafts([(short, k - 1), (full, k)]) == [[], tokens]
+        assert short.draft_seq is None
+        drafter.forget(full)
+        assert _all_free(engine)
+
+
+def _checked_drafts(scheduler: Scheduler) -> list[int]:
+    """The number of guesses of each draft ``scheduler``'s steps check, recorded as they are checked."""
+    lengths: list[int] = []
+    take = scheduler._take_draft
+
+    def recording(request, out):  # type: ignore[no-untyped-def]
+        lengths.append(len(request.draft))
+        return take(request, out)
+
+    scheduler._take_draft = recording  # type: ignore[method-assign]
+    return lengths
+
+
+@pytest.mark.parametrize(("p_min", "token_budget"), [(0.1, None), (0, 8)])
+def test_the_steps_check_no_draft_of_fewer_guesses_than_n_min(p_min: float, token_budget: int | None) -> None:
+    """tiny-qwen3 drafting for itself (every guess right), its drafts cut short by the probability cutoff, or by a
+    token budget the step's rows share: with n_min 0 the steps check drafts of fewer than 3 guesses; with n_min 3
+    none, those steps decode without them, and the answers are the greedy ones."""
+    with (
+        kestrel_core.load(str(TARGET), backend="cpu") as engine,
+        kestrel_core.load(str(TARGET), backend="cpu") as draft_engine,
+    ):
+        requests = [(ids, SamplingParams(max_tokens=30, ignore_eos=True)) for ids in _prompts(engine, 4, seed=5)]
+        plain, _ = _run(engine, 0, requests)
+        checked = {}
+        for n_min in (0, 3):
+            engine.draft_model = DraftModel(draft_engine, engine.config.vocab_size, p_min, n_min)
+            engine.speculate = 4
+            scheduler = Scheduler(engine, max_batch=4, token_budget=token_budget)
+            checked[n_min] = lengths = _checked_drafts(scheduler)
+            added = [scheduler.add(ids, params) for ids, params in requests]
+            while scheduler.has_work:
+                scheduler.step()
+            engine.speculate = 0
+            assert [r.output_ids for r in added] == plain, n_min
+            assert scheduler.accepted == scheduler.drafted == sum(lengths)
+            assert _all_free(engine) and _all_free(draft_engine)
+        assert min(checked[0]) < 3 and min(checked[3]) == 3
+
+
+def test_an_n_min_below_0_is_one_line() -> None:
+    with kestrel_core.load(str(TARGET), backend="cpu") as engine:
+        for n_min in (-1, 1.5, True):
+            with pytest.raises(KestrelError, match=r"n_min must be an integer >= 0"):
+                DraftModel(engine, engine.config.vocab_size, n_min=n_min)  # type: ignore[arg-type]
+            with pytest.raises(KestrelError, match=r"n_min must be an integer >= 0"):
+                attach_draft_model(engine, str(TARGET), n_min=n_min)  # type: ignore[arg-type]
+        assert engine.draft_model is None
 
 
 def test_a_draft_model_sure_of_nothing_guesses_nothing() -> None:
@@ -466,3 +541,34 @@ def test_the_cli_option_gives_the_same_answer(capsys) -> None:  # type: ignore[n
     assert answers[0]["text"] == answers[1]["text"] and answers[0]["tokens"] == answers[1]["tokens"]
     stats = answers[1]["stats"]
     assert answers[0]["stats"]["drafted"] == 0 and 0 < stats["accepted"] == stats["drafted"]
+
+
+def test_a_bad_draft_min_is_one_line(capsys) -> None:  # type: ignore[no-untyped-def]
+    from kestrel_core.cli import main
+
+    command = ["run", "--model", str(TARGET), "--speculate", "4"]
+    for extra, said in (
+        (["--draft-min", "2"], "--draft-min is the fewest guesses a --draft-model's draft is checked with: give "
+         "--draft-model too"),
+        (["--draft-model", str(TARGET), "--draft-min", "-1"], "--draft-min: draft_min must be an integer >= 0, got -1"),
+        (["--draft-model", str(TARGET), "--draft-min", "5"], "--draft-min 5 is more than --speculate 4: no draft "
+         "would be checked"),
+    ):
+        assert main([*command, *extra, "x"]) == 2
+        assert capsys.readouterr().err.strip() == f"error: {said}"
+
+
+def test_draft_min_reaches_the_draft_model(capsys) -> None:  # type: ignore[no-untyped-def]
+    """The model drafting for itself without a cutoff, every guess right, 4 a step while max_tokens leaves room; with
+    --draft-min 4 the steps near the end, which leave room for fewer, are not drafted: 4 guesses a draft."""
+    from kestrel_core.cli import main
+
+    command = ["run", "--model", str(TARGET), "--max-tokens", "24", "--json", "--draft-model", str(TARGET),
+               "--speculate", "4", "--draft-p-min", "0", "Repeat: the sea, the sea, the sea"]
+    answers = []
+    for extra in ([], ["--draft-min", "4"]):
+        assert main(command + extra) == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    assert answers[0]["tokens"] == answers[1]["tokens"] and len(answers[1]["tokens"]) == 24
+    drafted = [answer["stats"]["drafted"] for answer in answers]
+    assert drafted[0] % 4 != 0 and drafted[1] % 4 == 0 and drafted[1] > 0

@@ -14,7 +14,7 @@ import pytest
 import kestrel_core
 from kestrel_core.cli import main
 from kestrel_core.model.async_engine import AsyncEngine
-from kestrel_core.model.speculate import DRAFT_P_MIN
+from kestrel_core.model.speculate import DRAFT_MIN, DRAFT_P_MIN
 from kestrel_core.serve import command
 
 from .helpers import http, running_server
@@ -59,6 +59,11 @@ BAD_VALUES = [
     (["--model", str(TINY), "--speculate", "2", "--draft-p-min", "0.5"], "give --draft-model too"),
     (["--model", str(TINY), "--draft-model", str(TINY), "--speculate", "2", "--draft-p-min", "1.5"],
      "--draft-p-min: draft_p_min must be in [0, 1], got 1.5"),
+    (["--model", str(TINY), "--speculate", "2", "--draft-min", "1"], "give --draft-model too"),
+    (["--model", str(TINY), "--draft-model", str(TINY), "--speculate", "2", "--draft-min", "-1"],
+     "--draft-min: draft_min must be an integer >= 0, got -1"),
+    (["--model", str(TINY), "--draft-model", str(TINY), "--speculate", "2", "--draft-min", "3"],
+     "--draft-min 3 is more than --speculate 2"),
 ])
 def test_bad_options_are_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--port", "0", *argv]) == 2  # port 0: a server on 8000 is no failure here
@@ -194,15 +199,26 @@ def test_speculate_on_a_recurrent_model_says_it_decodes_without_guesses(
 
 
 def test_a_draft_model_drafts_for_the_served_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As its options set it, and the startup line names it and the tokens it guesses a step (none without it)."""
     from kestrel_core.serve import server
 
-    served: list[tuple[int, str, float]] = []
-    monkeypatch.setattr(server, "serve", lambda engines, **_: served.extend(
-        (e.speculate, e.draft_model.engine.source, e.draft_model.p_min) for e in engines))
+    served: list[tuple[int, str, float, int]] = []
+    lines: list[str] = []
+
+    def serve(engines, **_):  # type: ignore[no-untyped-def]
+        lines.extend(server._describe("m", e, None) for e in engines)
+        served.extend((e.speculate, e.draft_model.engine.source, e.draft_model.p_min, e.draft_model.n_min)
+                      for e in engines if e.draft_model is not None)
+
+    monkeypatch.setattr(server, "serve", serve)
     draft = TINY.parent / "tiny-llama"
-    command = ["serve", "--model", str(TINY), "--port", "0", "--speculate", "3", "--draft-model", str(draft)]
-    assert main(command) == 0 and main([*command, "--draft-p-min", "0.4"]) == 0
-    assert served == [(3, str(draft), DRAFT_P_MIN), (3, str(draft), 0.4)]
+    plain = ["serve", "--model", str(TINY), "--port", "0", "--speculate", "3"]
+    command = [*plain, "--draft-model", str(draft)]
+    assert main(command) == 0 and main([*command, "--draft-p-min", "0.4", "--draft-min", "2"]) == 0
+    assert main(plain) == 0
+    assert served == [(3, str(draft), DRAFT_P_MIN, DRAFT_MIN), (3, str(draft), 0.4, 2)]
+    assert lines[:2] == [f"model m, backend cpu, draft model {draft} guessing up to 3 tokens a step"] * 2
+    assert lines[2] == "model m, backend cpu"
 
 
 @pytest.mark.parametrize(("flags", "want"), [([], "fcfs"), (["--scheduling-policy", "priority"], "priority")])
