@@ -14,8 +14,8 @@ draft ends at the first guess whose probability under the draft model (the softm
 ``p_min``, as llama.cpp's ``--draft-p-min`` ends it: a guess the draft is unsure of is seldom the target's, and each
 costs the draft a step and the target a row. A draft of fewer than ``n_min`` guesses is dropped, the step decoding
 without it, and one asked for fewer than ``n_min`` is not drafted at all, as llama.cpp's ``--draft-min`` drops it
-(its server's draft model; the n-gram drafts there have minima of their own, and so prompt lookup here has
-MIN_NGRAM and its pauses, not ``n_min``). The requests of a scheduler step draft together: one batched step of
+(for its draft model only: its n-gram drafts have minima of their own, as prompt lookup here has MIN_NGRAM, not
+``n_min``). The requests of a scheduler step draft together: one batched step of
 the draft model at a time. A request's sequence is freed when it ends or is preempted. A request whose tokens hold
 an id past the draft model's vocabulary (the target's may be padded further) drafts no more from there on: the draft
 model has no embedding for it. A draft model whose step fails is left, with a warning: its failure is not the
@@ -248,9 +248,9 @@ def attach_draft_model(
     """The draft model at ``source`` (what ``load`` takes: a Hugging Face directory or Hub name, a .gguf, a .kst),
     loaded at ``quant`` on ``target``'s backend with its activations, drafting up to a guess it gives less
     probability than ``p_min``, its drafts of fewer than ``n_min`` guesses dropped, set as ``target.draft_model``
-    and closed with it. A KestrelError (one line) where it
-    cannot draft for ``target``: another vocabulary, an embedding model, or one whose guesses cannot be taken back
-    (recurrent layers, a backend's KV cache that does not rewind)."""
+    and closed with it. A KestrelError (one line) where it cannot draft for ``target``: another vocabulary, an
+    embedding model, or one whose guesses cannot be taken back (recurrent layers, a backend's KV cache that does
+    not rewind)."""
     from kestrel_core.model.engine_load import load
     from kestrel_core.model.loader import load_model
 

@@ -470,7 +470,7 @@ class Scheduler(LoneDecode):
         drafts = self.guesser.drafts([(request, k) for _, request, k in asks]) if asks else []
         for (i, request, _), draft in zip(asks, drafts):
             draft = draft[:budget]
-            checked = len(draft) >= max(1, self.guesser.n_min)  # as a draft the guesser gave short of its n_min
+            checked = len(draft) >= max(1, self.guesser.n_min)  # the budget may cut it short of n_min
             if checked and self.pool.reserve(request.seq.cache, len(request.seq.tokens) + 1 + len(draft)):
                 request.draft = draft
                 self.drafted += len(draft)
