@@ -10,7 +10,9 @@
   real spaces and respelled; merges ranked by the pieces' order in the file, which its scores do not follow).
 
 Either way the ends of generation, the types of the tokens llama.cpp finds by their text, and the special ids a
-SentencePiece file leaves out (``DEFAULT_IDS``) are llama.cpp's (``end_of_generation``, ``special_id``).
+SentencePiece file leaves out (``DEFAULT_IDS``) are llama.cpp's (``end_of_generation``, ``special_id``); so are an
+unused token's text, none (``_decoder``), and the files refused for a bos or eos to add that they lack
+(``_check_added``).
 
 tests/kestrel_core/model/test_tokenizer.py compares them with llama.cpp's test vectors (the models' own
 tokenizers' ids) and with transformers' own reading of the same files.
@@ -85,8 +87,9 @@ MODELS = ("gpt2", "llama")
 SPACE = "\u2581"  # SentencePiece's space
 
 # llama.cpp token types; llama.cpp matches UNKNOWN's and CONTROL's text only where special tokens are parsed, and
-# leaves both out of a text decoded without them
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
+# leaves both out of a text decoded without them; an UNUSED token (a padded vocabulary's "[PAD151700]") decodes to
+# nothing either way, its text still a piece of the vocabulary
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 2, 3, 4, 5
 SPECIAL_TYPES = (TOKEN_UNKNOWN, TOKEN_CONTROL)
 
 # llama.cpp's ends of generation (llama_vocab::impl::load, src/llama-vocab.cpp): the ids the file names for eos, eot
@@ -117,6 +120,10 @@ USER_DEFINED_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"
 # SentencePiece reserves them. llama.cpp's byte-level default, 11 for bos and eos, is not taken: 11 is a text token
 # of those vocabularies (GPT-NeoX's ","), where it would end every answer at its first comma.
 DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unknown": 0}}
+# llama.cpp's byte-level default for both (which only decides whether it refuses a file: ``_check_added``), and the
+# pre-tokenizers after which it has no default bos
+LLAMA_CPP_BYTE_LEVEL_ID = 11
+NO_DEFAULT_BOS_PRE = ("glm4", "chatglm-bpe")
 
 
 @dataclass
@@ -231,14 +238,17 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
         raise KestrelError(f"{where}: tokenizer.chat_template and tokenizer.chat_template.tool_use must be text")
     bos_id, eos_id, unk_id = (_special_id(fields, k, len(tokens), where) for k in ("bos", "eos", "unknown"))
     eos_ids, types = _end_of_generation(fields, tokens, types, where)
+    if kind == "llama" and architecture == "gemma3":  # pieces of spaces stored as spaces; GemmaTokenizer spells
+        tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]  # them "▁"
+    unused = [t for t, ty in zip(tokens, types) if ty == TOKEN_UNUSED]
     if kind == "gpt2":
-        backend, pre = _byte_level(fields, tokens, where)
+        backend, pre = _byte_level(fields, tokens, unused, where)
         add_bos = fields.get("tokenizer.ggml.add_bos_token", pre.add_bos)
     else:
-        if architecture == "gemma3":  # pieces of spaces stored as spaces; GemmaTokenizer spells them "▁"
-            tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
-        backend = _sentencepiece(fields, tokens, architecture, unk_id, where)
+        backend = _sentencepiece(fields, tokens, architecture, unk_id, unused, where)
         add_bos = fields.get("tokenizer.ggml.add_bos_token", True)  # llama.cpp's default for SentencePiece
+    add_eos = fields.get("tokenizer.ggml.add_eos_token", False)
+    _check_added(fields, {"bos": add_bos, "eos": add_eos}, len(tokens), where)
     # Phi-3's tokens matched whole (user-defined ones too: its "</s>") take the whitespace after them (rstrip),
     # <unk>, <s> and <|endoftext|> aside, as its tokenizer_config.json and llama.cpp (by general.name) have it
     phi3 = any(n in str(fields.get("general.name") or "").lower() for n in ("phi-3", "phi3"))
@@ -251,7 +261,7 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
     backend.add_tokens([added(t, False) for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED])
     # llama.cpp's tokenizer: BOS before, and where add_eos_token is set (embedding models), EOS after each text
     bos = tokens[bos_id] if add_bos and bos_id is not None else None
-    eos = tokens[eos_id] if fields.get("tokenizer.ggml.add_eos_token") and eos_id is not None else None
+    eos = tokens[eos_id] if add_eos and eos_id is not None else None
     if bos is not None or eos is not None:
         single = " ".join(t for t in (bos, "$A", eos) if t is not None)
         pair = " ".join(t for t in (bos, "$A", eos, bos and f"{bos}:1", "$B:1", eos and f"{eos}:1") if t)
@@ -260,6 +270,39 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
                                                                special_tokens=list(dict.fromkeys(specials)))
     return GGUFVocab(backend, template, tool_template, tokens[bos_id] if bos_id is not None else None,
                      tokens[eos_id] if eos_id is not None else None, eos_ids)
+
+
+def _check_added(fields: Mapping[str, Any], added: Mapping[str, Any], count: int, where: str) -> None:
+    """Refuse the file where a bos or eos is to be added (``added``: its add_<name>_token, or llama.cpp's default)
+    and llama.cpp has none: neither the file's id among the ``count`` tokens nor its default for the tokenizer model
+    (check_add_special_token in llama_vocab::impl::load). A byte-level file without one that has 12 tokens or more
+    loads: llama.cpp takes 11, kestrel none (``DEFAULT_IDS``)."""
+    for name, add in added.items():
+        if not add or _special_id(fields, name, count, where) is not None:
+            continue
+        byte_level = fields.get("tokenizer.ggml.model") == "gpt2"
+        if byte_level and LLAMA_CPP_BYTE_LEVEL_ID < count and not (
+                name == "bos" and fields.get("tokenizer.ggml.pre") in NO_DEFAULT_BOS_PRE):
+            continue
+        raise KestrelError(f"{where}: tokenizer.ggml.add_{name}_token is true, but tokenizer.ggml.{name}_token_id "
+                           f"names none of its {count} tokens (llama.cpp refuses the file too)")
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` matched as it is by a tokenizers (Oniguruma) regex: every character but an ASCII letter or digit by
+    its code point."""
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+
+
+def _decoder(steps: Sequence[Any], silent: Sequence[str]) -> Any:
+    """The decoder of ``steps``, first emptying each token whose text is one of ``silent``, as llama.cpp's
+    token_to_piece gives an unused token no text (each token is a string of its own at that step; a match costs well
+    under a microsecond a token with 50,000 such texts). One flat sequence: llguidance reads what the decoder is from
+    the steps in it."""
+    pattern = "|".join(_regex_literal(t) for t in silent if t)
+    if pattern:
+        steps = [decoders.Replace(Regex(rf"\A(?:{pattern})\z"), ""), *steps]
+    return steps[0] if len(steps) == 1 else decoders.Sequence(list(steps))
 
 
 def _vocab(tokens: Sequence[str], where: str) -> dict[str, int]:
@@ -276,7 +319,8 @@ def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], where: str, **opt
         raise KestrelError(f"{where}: the embedded vocabulary is not a valid BPE ({one_line(exc)})") from None
 
 
-def _byte_level(fields: Mapping[str, Any], tokens: list[str], where: str) -> tuple[_Backend, _Pre]:
+def _byte_level(fields: Mapping[str, Any], tokens: list[str], unused: Sequence[str],
+                where: str) -> tuple[_Backend, _Pre]:
     merges_raw = _str_list(fields, "tokenizer.ggml.merges", where)
     if not tokens or not merges_raw:
         raise KestrelError(f"{where}: the embedded vocabulary lacks tokens or merges")
@@ -305,7 +349,7 @@ def _byte_level(fields: Mapping[str, Any], tokens: list[str], where: str) -> tup
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     if pre.nfc:
         backend.normalizer = normalizers.NFC()
-    backend.decoder = decoders.ByteLevel()
+    backend.decoder = _decoder([decoders.ByteLevel()], unused)
     return backend, pre
 
 
@@ -330,7 +374,7 @@ def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list
 
 
 def _sentencepiece(fields: Mapping[str, Any], tokens: list[str], architecture: str, unk_id: int | None,
-                   where: str) -> _Backend:
+                   unused: Sequence[str], where: str) -> _Backend:
     if not tokens:
         raise KestrelError(f"{where}: the embedded vocabulary lacks tokens")
     vocab = _vocab(tokens, where)
@@ -358,5 +402,5 @@ def _sentencepiece(fields: Mapping[str, Any], tokens: list[str], architecture: s
         backend.normalizer = normalizers.Replace(" ", SPACE)
     if prefix_space:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.decoder = decoders.Sequence(steps)
+    backend.decoder = _decoder(steps, unused)
     return backend
