@@ -117,8 +117,10 @@ _CHOICE_ROUTER_MAP = {"mlp.gate.e_score_correction_bias": "router_choice_bias",
                       "mlp.shared_experts.gate_proj.weight": "shared_expert.gate",
                       "mlp.shared_experts.up_proj.weight": "shared_expert.up",
                       "mlp.shared_experts.down_proj.weight": "shared_expert.down"}
-# gpt-oss: the attention's output bias and sinks, the router's bias
+# gpt-oss: the attention's output bias and sinks, the router's bias; Seed-OSS: the output bias
+# (attention_out_bias); by architecture
 _GPT_OSS_MAP = {"self_attn.o_proj.bias": "o_bias", "self_attn.sinks": "sinks", "mlp.router.bias": "router_bias"}
+_ARCH_LAYER_MAPS = {"gpt_oss": _GPT_OSS_MAP, "seed_oss": {"self_attn.o_proj.bias": "o_bias"}}
 # experts stacked [E, ...] in one tensor each, as x @ W: gpt-oss's gate|up interleaved by column ([E, D, 2F], or MXFP4
 # blocks [E, 2F, D/32, 16] and scales [E, 2F, D/32]), down ([E, F, D], or MXFP4 [E, D, F/32, 16]) and their biases;
 # Qwen3-VL-MoE's gate|up as the two halves of [E, D, 2F]
@@ -168,8 +170,8 @@ def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
             return layer_name(int(m.group(1)), "router")
         if m.group(2) in _SHARED_MAP:
             return layer_name(int(m.group(1)), _SHARED_MAP[m.group(2)])
-        if arch == "gpt_oss" and m.group(2) in _GPT_OSS_MAP:
-            return layer_name(int(m.group(1)), _GPT_OSS_MAP[m.group(2)])
+        if m.group(2) in _ARCH_LAYER_MAPS.get(arch, {}):
+            return layer_name(int(m.group(1)), _ARCH_LAYER_MAPS[arch][m.group(2)])
         if m.group(2) in _CHOICE_ROUTER_MAP:
             return layer_name(int(m.group(1)), _CHOICE_ROUTER_MAP[m.group(2)])
     layer_map = (_GEMMA_LAYER_MAP if arch in GEMMA_ARCHITECTURES else _OLMO2_LAYER_MAP if arch in POST_NORMED
@@ -581,7 +583,7 @@ def _hf_name_hint(name: str) -> str:
             return hf
     m = re.match(r"^layers\.(\d+)\.(.+)$", name)
     if m:
-        for hf, kn in _LAYER_MAP.items():
+        for hf, kn in {**_LAYER_MAP, **_GPT_OSS_MAP}.items():
             if kn == m.group(2):
                 return f"model.layers.{m.group(1)}.{hf}"
     return name
