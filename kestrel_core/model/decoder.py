@@ -283,7 +283,7 @@ class Decoder:
                 h += self._residual(mix(i, lw, x, rows), lw.post_attn_norm)
             elif not lw.experts:
                 continue  # the whole layer ran
-            if not c.parallel_block:  # else (Cohere) the MLP reads the attention's input x too (never compiled)
+            if not c.parallel_block:  # else (Cohere) the MLP reads the attention's input x too
                 x = h.copy() if lw.mlp_norm is None else self.norm(h, lw.mlp_norm, self.eps)
             out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, self.strips[i][-2:],
                                                                              self.keys[i][-2:])
@@ -292,17 +292,18 @@ class Decoder:
 
     def _dense(self, i: int) -> tuple[Any, tuple] | None:
         """Layer ``i`` compiled whole on the CPU backend, with its norms, biases and head norms as float32, where it is
-        a plain attention layer (RMSNorms, one q/k norm weight for every head, the MLP after the attention) with a
-        SiLU or GELU MLP (what ``_attention`` and ``_mlp`` run for it, the same bits),
-        or its attention alone where the MLP is a mixture of experts; else None, and the layer runs op by op."""
+        a plain attention layer (a norm before the attention, and before the MLP or the MLP beside the attention as
+        Cohere's; q/k norms per head) with a SiLU or GELU MLP (what ``_attention`` and ``_mlp`` run for it, the same
+        bits), or its attention alone where the MLP is a mixture of experts after it; else None, and the layer runs op
+        by op."""
         if i not in self.dense:
             lw, c = self.model.layers[i], self.config
             arrays = (lw.attn_norm, lw.mlp_norm, lw.post_attn_norm, lw.post_mlp_norm, lw.q_bias, lw.k_bias, lw.v_bias,
                       lw.q_norm, lw.k_norm)
             plain = (lw.q is not None and (lw.gate is not None or bool(lw.experts)) and not lw.is_mla
-                     and lw.attn_gate is None and lw.attn_norm is not None and lw.mlp_norm is not None
+                     and lw.attn_gate is None and lw.attn_norm is not None
+                     and (lw.mlp_norm is not None or (c.parallel_block and not lw.experts))
                      and lw.o_bias is None and not c.qk_norm_full and c.activation in ("silu", "gelu_tanh")
-                     and c.norm_type == "rms" and not c.parallel_block and not c.qk_norm_heads
                      and all(a is None or a.dtype == np.float32 for a in arrays))
             layer = self.offload.host_dense_layer([keys for keys, _ in self.keys[i]], self.strips[i]) if plain else None
             self.dense[i] = None if layer is None else (layer, tuple(
@@ -316,8 +317,8 @@ class Decoder:
         cos, sin, q_cos, q_sin = rows.tables_at[self.layer_rope[i]]
         heads = (c.num_heads, c.num_kv_heads, c.head_dim,
                  paged_attention.attend_heads(len(h), c.num_heads, c.num_kv_heads))
-        ran = layer.run(h, arrays[:4], self.eps, c.residual_scale, c.activation == "gelu_tanh", arrays[4:7],
-                        arrays[7:], heads,
+        ran = layer.run(h, arrays[:4], self.eps, c.residual_scale, c.activation == "gelu_tanh", c.norm_type == "layer",
+                        c.parallel_block, arrays[4:7], arrays[7:], heads,
                         (*self.pool.layer_arrays(i), rows.slots, cos, sin, rows.tables, rows.row_seq,
                          rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap, self.sinks[i]))
         if not ran:

@@ -2,7 +2,8 @@
 
 A Llama-style layer (RMSNorm; Q|K|V with optional biases and per-head q/k norms; RoPE, the KV write and paged
 attention; O; RMSNorm; gate|up, SiLU or tanh GELU, down; both residual adds, with Gemma's norms after attention and
-the MLP and Granite's residual scale where the model has them) on int8 activations over packed weights
+the MLP and Granite's residual scale where the model has them), or Cohere's (LayerNorms without a bias, q/k norms with
+a weight a head, the MLP beside the attention on the same normed input) on int8 activations over packed weights
 (``packed``), run as ``Decoder._attention`` and ``Decoder._mlp`` run it op by op: the same compiled kernels
 (kestrel_core's ``kernels``, ``paged_attention`` and activation quantizer, this package's packed GEMMs) in the
 same order on the same float32 values, so a row's bits are the same either way (the tests compare them). Op by
@@ -32,7 +33,7 @@ import kestrel_core.model.kernels
 import kestrel_core.model.paged_attention
 from kestrel_core.codegen import named_copy
 from kestrel_core.contract import StripCache, compiled_q8_rows
-from kestrel_core.model.kernels import gated_mul, rmsnorm_rows
+from kestrel_core.model.kernels import gated_mul, layernorm_rows, rmsnorm_rows
 from kestrel_core.model.paged_attention import attend, rope_write
 from kestrel_cpu import packed
 
@@ -125,7 +126,34 @@ _gated_mlp = njit(inline="always")(gated_mlp)  # the int8 one; each build its ow
 
 
 @njit(inline="always")
-def _add_residual(h: np.ndarray, out: np.ndarray, post_norm: np.ndarray, eps: np.float32, scale: np.float32) -> None:
+def _norm(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray, layer: bool) -> None:
+    # the decoder's norm of its norm_type (host_ops.NORMS), each row of x [R, D] into out: a LayerNorm, else an RMSNorm
+    if layer:
+        layernorm_rows(x, weight, eps, out)
+    else:
+        rmsnorm_rows(x, weight, eps, out)
+
+
+@njit(inline="always")
+def _head_norm(x: np.ndarray, weight: np.ndarray, heads: int, hd: int, eps: np.float32, layer: bool) -> np.ndarray:
+    # x [M, heads * hd], each head normed over its hd dims, as Decoder._head_norm: by one weight [hd] for every head,
+    # or (Cohere's) normed by ones and then times each head's own weight [heads * hd]
+    m = x.shape[0]
+    out = np.empty((m * heads, hd), np.float32)
+    if weight.size == hd:
+        _norm(x.reshape(m * heads, hd), weight, eps, out, layer)
+        return out.reshape(m, heads * hd)
+    _norm(x.reshape(m * heads, hd), np.ones(hd, np.float32), eps, out, layer)
+    y = out.reshape(m, heads * hd)
+    for r in range(m):
+        for j in range(heads * hd):
+            y[r, j] *= weight[j]
+    return y
+
+
+@njit(inline="always")
+def _add_residual(h: np.ndarray, out: np.ndarray, post_norm: np.ndarray, eps: np.float32, scale: np.float32,
+                  layer: bool) -> None:
     # h [M, D] += out's first D columns, normed first where post_norm is not empty (Gemma), then scaled (Granite; a
     # factor of 1 changes no bit)
     m, d = h.shape
@@ -135,7 +163,7 @@ def _add_residual(h: np.ndarray, out: np.ndarray, post_norm: np.ndarray, eps: np
             y[r, j] = out[r, j]
     if post_norm.size:
         normed = np.empty((m, d), np.float32)
-        rmsnorm_rows(y, post_norm, eps, normed)
+        _norm(y, post_norm, eps, normed, layer)
         y = normed
     for r in range(m):
         for j in range(d):
@@ -143,24 +171,24 @@ def _add_residual(h: np.ndarray, out: np.ndarray, post_norm: np.ndarray, eps: np
 
 
 def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: np.float32, mlp: bool, gelu: bool,
-                 wps: tuple,
-                 wsps: tuple, groups: tuple, cols: tuple, biases: tuple, head_norms: tuple, heads: tuple,
-                 kt: np.ndarray, vc: np.ndarray, ks: np.ndarray, vs: np.ndarray, slots: np.ndarray, cos: np.ndarray,
-                 sin: np.ndarray,
-                 tables: np.ndarray, row_seq: np.ndarray, firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray,
-                 q_sin: np.ndarray, softcap: np.float32, sinks: np.ndarray) -> None:
+                 layer: bool, parallel: bool, wps: tuple, wsps: tuple, groups: tuple, cols: tuple, biases: tuple,
+                 head_norms: tuple, heads: tuple, kt: np.ndarray, vc: np.ndarray, ks: np.ndarray, vs: np.ndarray,
+                 slots: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
+                 firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray, softcap: np.float32,
+                 sinks: np.ndarray) -> None:
     # h: [M, D] the residual stream, updated in place; norms: (attention, MLP, after attention, after the MLP) [D]
     # (the last two may be empty); mlp: the MLP too, else the attention alone (a mixture-of-experts layer's); gelu:
-    # the MLP's tanh GELU, else SiLU; wps/wsps: the four GEMMs' packed codes and scales (Q|K|V, O, gate|up, down),
+    # the MLP's tanh GELU, else SiLU; layer: LayerNorms, else RMSNorms; parallel: the MLP on the attention's input
+    # (Cohere's; its MLP norm is empty); wps/wsps: the four GEMMs' packed codes and scales (Q|K|V, O, gate|up, down),
     # each a MAX_WEIGHTS tuple; groups: their block sizes;
     # cols: where q, k, v and up start in their GEMM's output (gate at 0), and q, k, v, F wide; biases: q, k, v [N] or
-    # empty; head_norms: q, k [hd] or empty; heads: (H, KV, hd, the query heads an attend item takes); the rest:
-    # Decoder._attend's.
+    # empty; head_norms: q, k [hd] or [heads * hd] (a weight a head) or empty; heads: (H, KV, hd, the query heads an
+    # attend item takes); the rest: Decoder._attend's.
     m, d = h.shape
     n_heads, n_kv, hd, item_heads = heads
     q_at, k_at, v_at, up_at, nq, nk, nv, f = cols
     x = np.empty((m, d), np.float32)
-    rmsnorm_rows(h, norms[0], eps, x)
+    _norm(h, norms[0], eps, x, layer)
     codes, scales = quantize(x, groups[0])
     qkv = np.empty((m, _width(wps[0])), np.float32)
     _GEMM_QKV(wps[0], wsps[0], codes, scales, qkv)
@@ -175,12 +203,8 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: n
         for j in range(nv):
             v[r, j] = qkv[r, v_at + j] + biases[2][j] if biases[2].size else qkv[r, v_at + j]
     if head_norms[0].size:
-        qn = np.empty((m * n_heads, hd), np.float32)
-        rmsnorm_rows(q.reshape(m * n_heads, hd), head_norms[0], eps, qn)
-        q = qn.reshape(m, n_heads * hd)
-        kn = np.empty((m * n_kv, hd), np.float32)
-        rmsnorm_rows(k.reshape(m * n_kv, hd), head_norms[1], eps, kn)
-        k = kn.reshape(m, n_kv * hd)
+        q = _head_norm(q, head_norms[0], n_heads, hd, eps, layer)
+        k = _head_norm(k, head_norms[1], n_kv, hd, eps, layer)
     vd = nv // n_kv
     rope_write(k.reshape(m, n_kv, hd), v.reshape(m, n_kv, vd), kt, vc, ks, vs, slots, cos, sin)
     attn = np.empty((m, n_heads * vd), np.float32)
@@ -189,12 +213,13 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: n
     codes, scales = quantize(attn, groups[1])
     o = np.empty((m, _width(wps[1])), np.float32)
     _GEMM_O(wps[1], wsps[1], codes, scales, o)
-    _add_residual(h, o, norms[2], eps, residual_scale)
+    _add_residual(h, o, norms[2], eps, residual_scale, layer)
     if not mlp:
         return
-    rmsnorm_rows(h, norms[1], eps, x)
+    if not parallel:
+        _norm(h, norms[1], eps, x, layer)
     down = _gated_mlp(x, wps[2], wsps[2], wps[3], wsps[3], up_at, f, (groups[2], groups[3]), gelu)
-    _add_residual(h, down, norms[3], eps, residual_scale)
+    _add_residual(h, down, norms[3], eps, residual_scale, layer)
 
 
 _BUILDS: dict[tuple[int, ...], Any] = {}  # None: the build failed
@@ -232,16 +257,18 @@ class DenseLayer:
         return 7 if self.mlp else 4
 
     def run(self, h: np.ndarray, norms: tuple[np.ndarray | None, ...], eps: np.float32, residual_scale: float,
-            gelu: bool, biases: tuple[np.ndarray | None, ...], head_norms: tuple[np.ndarray | None, ...],
-            heads: tuple[int, int, int, int], attention: tuple) -> bool:
+            gelu: bool, layer_norm: bool, parallel: bool, biases: tuple[np.ndarray | None, ...],
+            head_norms: tuple[np.ndarray | None, ...], heads: tuple[int, int, int, int], attention: tuple) -> bool:
         """The layer on h [M, D] in place, its keys and values written to the pool. ``norms``: before attention,
-        before the MLP, after each (or None); ``attention``: kt, vc, ks, vs, slots, cos, sin, tables, row_seq, firsts,
-        lengths, q_cos, q_sin, softcap, sinks, as ``paged_attention.attend`` and ``rope_write`` take them. False,
-        with nothing done, where this machine's numba cannot compile it."""
+        before the MLP, after each (or None), LayerNorms where ``layer_norm`` (else RMSNorms); ``parallel``: the MLP
+        reads the attention's normed input (Cohere's, no norm before the MLP); ``head_norms``: q's and k's, a weight
+        [hd] for every head or one [heads * hd] a head (or None); ``attention``: kt, vc, ks, vs, slots, cos, sin,
+        tables, row_seq, firsts, lengths, q_cos, q_sin, softcap, sinks, as ``paged_attention.attend`` and
+        ``rope_write`` take them. False, with nothing done, where this machine's numba cannot compile it."""
         _build(self.bits)
         return run_build(_BUILDS, self.bits, "layer", h, _present(norms), eps, np.float32(residual_scale), self.mlp,
-                         gelu, self.wps, self.wsps, self.groups, self.cols, _present(biases), _present(head_norms),
-                         heads, *attention)
+                         gelu, layer_norm, parallel, self.wps, self.wsps, self.groups, self.cols, _present(biases),
+                         _present(head_norms), heads, *attention)
 
 
 def dense_layer(packs: list[list[Any]], strips: tuple[tuple[StripCache, ...], ...]) -> DenseLayer | None:

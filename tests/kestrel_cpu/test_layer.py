@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from kestrel_core.dispatch import Offload
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.decoder import Decoder
 from kestrel_core.model.kv_pool import KVPool
+from kestrel_core.model.loader import load_model
 from kestrel_core.model.presets import synthetic_model
 from kestrel_core.model.weights import Model
 
@@ -19,6 +21,7 @@ from .conftest import cpu_offload
 
 kernels = pytest.importorskip("kestrel_cpu.kernels")
 PACKED_BITS = kernels.packed.PACKED_BITS
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 
 
 def _config(arch: str, **overrides: object) -> ModelConfig:
@@ -31,7 +34,10 @@ def _config(arch: str, **overrides: object) -> ModelConfig:
                                 layer_types=("sliding", "full"), embed_scale=8.0, query_scale=0.2),
                  "gemma3": dict(post_norms=True, activation="gelu_tanh", qk_norm=True, sliding_window=8,
                                 layer_types=("sliding", "full"), rope_local_theta=10000.0, rope_theta=1e6),
-                 "granite": dict(residual_scale=0.22, embed_scale=12.0)}.get(arch, {}))
+                 "granite": dict(residual_scale=0.22, embed_scale=12.0),
+                 # Command R+: LayerNorms, the MLP beside the attention, q/k norms with a weight a head
+                 "cohere": dict(norm_type="layer", parallel_block=True, rope_interleaved=True, qk_norm=True,
+                                qk_norm_heads=True)}.get(arch, {}))
     base.update(overrides)
     return ModelConfig(**base)  # type: ignore[arg-type]
 
@@ -44,6 +50,22 @@ def _needs(*bits: int) -> None:
 def _offloads() -> tuple[Offload, Offload]:
     """The CPU's offload, and one whose layers all run op by op (``KESTREL_CPU_LAYERS=0``)."""
     return cpu_offload(), cpu_offload(layers=False)
+
+
+def _same_run(model: Model) -> None:
+    """``_run`` compiled and op by op: the same logits and cache, bit for bit, every layer compiled in the first."""
+    fast, slow = _offloads()
+    got, fast_dec, fast_caches = _run(model, fast)
+    want, slow_dec, slow_caches = _run(model, slow)
+    layers = range(model.config.num_layers)
+    assert all(fast_dec.dense[i] is not None for i in layers)  # the compiled layer ran
+    assert all(slow_dec.dense[i] is None for i in layers)
+    assert len(got) == len(want) == 7
+    for g, w in zip(got, want):
+        assert _same_bits(g, w)
+    for g, w in zip(_pool(fast_dec, fast_caches), _pool(slow_dec, slow_caches)):
+        assert _same_bits(g, w)
+    assert fast.stats()["kestrel_gemm_q8"] == slow.stats()["kestrel_gemm_q8"]  # counted as the GEMMs it ran
 
 
 def _run(model: Model, offload: Offload, activations: str = "q8",
@@ -84,21 +106,29 @@ def _pool(dec: Decoder, caches: list) -> list[np.ndarray]:
 def test_a_dense_layer_gives_the_op_by_op_bits(arch: str, quant: str) -> None:
     _needs(4 if quant == "q4" else 8)
     cfg = _config(arch, hidden_size=256, intermediate_size=512) if quant.endswith("g256") else _config(arch)
-    model = synthetic_model(cfg, quant, seed=2)
-    fast, slow = _offloads()
-    got, fast_dec, fast_caches = _run(model, fast)
-    want, slow_dec, slow_caches = _run(model, slow)
-    assert all(fast_dec.dense[i] is not None for i in range(cfg.num_layers))  # the compiled layer ran
-    assert all(slow_dec.dense[i] is None for i in range(cfg.num_layers))
-    assert len(got) == len(want) == 7
-    for g, w in zip(got, want):
-        assert _same_bits(g, w)
-    for g, w in zip(_pool(fast_dec, fast_caches), _pool(slow_dec, slow_caches)):
-        assert _same_bits(g, w)
-    assert fast.stats()["kestrel_gemm_q8"] == slow.stats()["kestrel_gemm_q8"]  # counted as the GEMMs it ran
+    _same_run(synthetic_model(cfg, quant, seed=2))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("quant", ["q8", "q4", "q8-g256"])
+@pytest.mark.parametrize("name", ["tiny-cohere", "tiny-cohere2"])
+def test_a_cohere_layer_gives_the_op_by_op_bits(name: str, quant: str) -> None:
+    """Command R's (LayerNorms without a bias, the MLP beside the attention, q/k norms with a weight a head) and
+    Command R7B's (three sliding layers with RoPE to one full one without): the fixtures' weights, and at 256-wide
+    blocks their configs widened to hold them (the fixtures' 64-wide rows keep 32)."""
+    _needs(4 if quant == "q4" else 8)
+    if quant.endswith("g256"):
+        config = load_model(str(FIXTURES / name), quant="q8", cache="off").model.config
+        model = synthetic_model(replace(config, hidden_size=256, intermediate_size=512), quant, seed=2)
+        assert model.layers[0].q.group_size == 256
+    else:
+        model = load_model(str(FIXTURES / name), quant=quant, cache="off").model
+    c = model.config
+    assert c.norm_type == "layer" and c.parallel_block
+    assert c.qk_norm_heads if name == "tiny-cohere" else (c.nope_layers and c.sliding_window)
+    _same_run(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "cohere"])
 def test_a_dense_layer_on_an_int8_kv_cache_gives_the_op_by_op_bits(arch: str) -> None:
     _needs(8)
     model = synthetic_model(_config(arch, head_dim=32), "q8", seed=7)
@@ -156,19 +186,13 @@ def test_layers_it_does_not_take_and_prompt_rows_run_op_by_op() -> None:
 
 
 @pytest.mark.parametrize("config", [
-    _config("cohere", norm_type="layer", parallel_block=True, rope_interleaved=True, qk_norm=True, qk_norm_heads=True),
-    _config("llama", qk_norm=True, qk_norm_heads=True)],
-    ids=["Cohere's LayerNorms and parallel blocks", "RMSNorms with a q/k norm weight a head"])
-def test_layers_of_norms_it_does_not_take_run_op_by_op(config: ModelConfig) -> None:
-    """The compiled layer RMS-norms each head by one weight, then runs the MLP after the attention: a layer of other
-    norms, or blocks side by side, runs op by op, to the same bits."""
+    _config("cohere", qk_norm=False, qk_norm_heads=False), _config("llama", qk_norm=True, qk_norm_heads=True),
+    _config("llama", norm_type="layer", qk_norm=True), _config("cohere", parallel_block=False)],
+    ids=["LayerNorms, parallel blocks, no q/k norms", "RMSNorms with a q/k norm weight a head",
+         "LayerNorms with one q/k norm weight for every head", "LayerNorms, the MLP after the attention"])
+def test_each_of_cohere_s_rules_alone_gives_the_op_by_op_bits(config: ModelConfig) -> None:
     _needs(8)
-    model = synthetic_model(config, "q8", seed=8)
-    fast, slow = _offloads()
-    got, dec, _ = _run(model, fast)
-    assert all(dec.dense[i] is None for i in range(2))
-    for g, w in zip(got, _run(model, slow)[0]):
-        assert _same_bits(g, w)
+    _same_run(synthetic_model(config, "q8", seed=8))
 
 
 def test_a_layer_that_cannot_compile_runs_op_by_op(monkeypatch: pytest.MonkeyPatch,
