@@ -143,6 +143,11 @@ PRESETS: dict[str, ModelConfig] = {
     "lfm2-1.2b": _preset("lfm2", 65536, 2048, 8192, 16, 32, 8, 64, 1e6, 1e-5, 128000, True, qk_norm=True,
                          short_conv_kernel=3, layer_types=tuple("full" if i in (2, 5, 8, 10, 12, 14) else "conv"
                                                                 for i in range(16))),
+    # Command R7B: LayerNorms, the MLP beside the attention, three sliding layers with RoPE to one full one without
+    "command-r7b": _preset("cohere2", 256000, 4096, 14336, 32, 32, 8, 128, 50000.0, 1e-5, 132096, True,
+                           norm_type="layer", parallel_block=True, rope_interleaved=True, logits_scaling=4.0,
+                           sliding_window=4096, nope_layers=tuple(range(3, 32, 4)),
+                           layer_types=tuple("full" if i % 4 == 3 else "sliding" for i in range(32))),
     "qwen3.5-9b": _preset("qwen3_5", 248320, 4096, 12288, 32, 16, 4, 256, 1e7, 1e-6, 262144, False,
                           layer_types=_qwen3_5_layers(32), **_QWEN3_5),
     "qwen3.5-35b-a3b": _preset("qwen3_5_moe", 248320, 2048, 512, 40, 16, 2, 256, 1e7, 1e-6, 262144, False,
@@ -247,9 +252,14 @@ def synthetic_model(config: ModelConfig, quant: str | QuantMode = "q8", seed: in
 
 def preset_model(name: str, quant: str | QuantMode = "q8", seed: int = 0, **overrides: Any) -> Model:
     """The synthetic model of a named preset; ``overrides`` replace config fields (e.g. num_layers=2; a
-    per-layer pattern such as Gemma 3's layer types follows the new layer count)."""
+    per-layer pattern such as Gemma 3's layer types or Command R7B's layers without RoPE follows the new layer count,
+    and only the dense layers among the first n stay)."""
     config = preset_config(name)
     n = overrides.get("num_layers")
-    if n is not None and config.layer_types and "layer_types" not in overrides:
-        overrides["layer_types"] = tuple(config.layer_types[i % config.num_layers] for i in range(n))
+    if n is not None:
+        was = config.num_layers
+        if config.layer_types and "layer_types" not in overrides:
+            overrides["layer_types"] = tuple(config.layer_types[i % was] for i in range(n))
+        overrides.setdefault("nope_layers", tuple(i for i in range(n) if i % was in config.nope_layers))
+        overrides.setdefault("dense_layers", tuple(i for i in config.dense_layers if i < n))
     return synthetic_model(replace(config, **overrides) if overrides else config, quant, seed)

@@ -53,6 +53,14 @@ def test_every_preset_builds_a_consistent_model(name: str) -> None:
     assert cfg.num_heads % cfg.num_kv_heads == 0
 
 
+def test_a_preset_cut_to_fewer_layers_keeps_its_pattern() -> None:
+    """Command R7B's three sliding layers with RoPE to one full one without, on its first five layers."""
+    small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=64)
+    c = preset_model("command-r7b", "q8", num_layers=5, **small).config
+    assert c.layer_types == ("sliding", "sliding", "sliding", "full", "sliding") and c.nope_layers == (3,)
+    assert preset_model("glm4.5-air", "q8", num_layers=1, **small).config.dense_layers == (0,)
+
+
 def test_unknown_preset_is_named() -> None:
     with pytest.raises(KestrelError, match="unknown preset 'gpt5'"):
         preset_config("gpt5")
