@@ -102,10 +102,10 @@ def _kind(header: str) -> str:
 
 
 def _arguments(body: str) -> str | None:
-    """A call's body as a JSON object's text; None where it is not one."""
+    """A call's body as a JSON object's text; None where it is not one (nested past the JSON parser's depth too)."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
