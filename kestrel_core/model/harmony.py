@@ -16,6 +16,7 @@ shape: the analysis may come first, the final message or the call is constrained
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +44,23 @@ class ToolCall:
 
     name: str
     arguments: str
+
+
+def finite_float(text: str) -> float:
+    """A JSON number's value; a ValueError past a float's range (Python's reader makes it infinity)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is past a float's range")
+    return value
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+# JSON as RFC 8259 has it, for a call's arguments: Python's reader also takes NaN and Infinity, which json.dumps
+# writes back and JSON.parse (as most readers) refuses
+STRICT_JSON = json.JSONDecoder(parse_constant=_not_json, parse_float=finite_float)
 
 
 @dataclass(frozen=True)
@@ -104,7 +122,7 @@ def _kind(header: str) -> str:
 def _arguments(body: str) -> str | None:
     """A call's body as a JSON object's text; None where it is not one (nested past the JSON parser's depth too)."""
     try:
-        value = json.loads(body)
+        value = STRICT_JSON.decode(body)
     except (ValueError, RecursionError):
         return None
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None

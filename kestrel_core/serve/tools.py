@@ -39,7 +39,7 @@ import jinja2.meta
 
 from kestrel_core.model.chat_template import TEMPLATE_EXTENSIONS
 from kestrel_core.model.detokenize import partial_suffix
-from kestrel_core.model.harmony import ToolCall, is_harmony
+from kestrel_core.model.harmony import STRICT_JSON, ToolCall, finite_float, is_harmony
 
 HERMES, XML, GLM, GLM_COMPACT, MINIMAX, APRIEL, MISTRAL, MISTRAL_ARGS, COHERE, COMMAND_R, LLAMA3, HARMONY = (
     "hermes", "xml", "glm", "glm-compact", "minimax", "apriel", "mistral", "mistral-args", "cohere", "command-r",
@@ -162,7 +162,7 @@ def _call(obj: Any, keys: tuple[str, ...], name: str = "name") -> ToolCall | Non
     args = next((obj[k] for k in keys if k in obj), {})
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = STRICT_JSON.decode(args)
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -186,10 +186,10 @@ def _json_blocks(text: str, fmt: str) -> Parsed | None:
     the answer's end cut it: vLLM's hermes parser reads such a call too)."""
     opener, closer = _JSON_BLOCK[fmt]
     listed = fmt in _LIST_BLOCKS
-    decoder, values, cuts, at = json.JSONDecoder(), [], [], 0
+    values, cuts, at = [], [], 0
     while (start := text.find(opener, at)) >= 0:
         try:
-            value, end = decoder.raw_decode(text, _SPACE.match(text, start + len(opener)).end())
+            value, end = STRICT_JSON.raw_decode(text, _SPACE.match(text, start + len(opener)).end())
         except ValueError:
             return None
         close = _SPACE.match(text, end).end()
@@ -209,7 +209,7 @@ def _command_r(text: str) -> Parsed | None:
     if action is None:
         return None
     try:
-        values, end = json.JSONDecoder().raw_decode(text, action.end())
+        values, end = STRICT_JSON.raw_decode(text, action.end())
     except ValueError:
         return None
     close = _SPACE.match(text, end).end()
@@ -227,13 +227,13 @@ def _mistral_args(text: str) -> Parsed | None:
     start = text.find(TOOL_CALLS)
     if start < 0:
         return None
-    decoder, values, at = json.JSONDecoder(), [], start
+    values, at = [], start
     while text.startswith(TOOL_CALLS, at):
         head = _MISTRAL_HEAD.match(text, at + len(TOOL_CALLS))
         if head is None:
             return None
         try:
-            arguments, end = decoder.raw_decode(text, head.end())
+            arguments, end = STRICT_JSON.raw_decode(text, head.end())
         except ValueError:
             return None
         values.append({"name": head.group(1), "arguments": arguments})
@@ -307,11 +307,11 @@ def _typed(value: str, schema: Any, defs: dict[str, Any]) -> Any:
         if kind == "integer":
             return int(text)
         if kind == "number":
-            number = float(text)
+            number = finite_float(text)
             return int(number) if number.is_integer() and not any(c in text for c in ".eE") else number
         if kind == "boolean":
             return {"true": True, "false": False}[text.lower()]
-        return json.loads(text)
+        return STRICT_JSON.decode(text)
     except (ValueError, KeyError):
         return value
 
@@ -360,10 +360,10 @@ def _leading_json(text: str, fmt: str, offered: Container[str] | None) -> Parsed
     rest = text.lstrip().removeprefix("[TOOL_CALLS]") if fmt == MISTRAL else text.lstrip()
     if not rest.startswith(_OPENERS[fmt]):
         return None
-    decoder, values = json.JSONDecoder(), []
+    values = []
     while rest:
         try:
-            value, end = decoder.raw_decode(rest)
+            value, end = STRICT_JSON.raw_decode(rest)
         except ValueError:
             return None
         values.extend(value if fmt == MISTRAL and isinstance(value, list) else [value])

@@ -40,6 +40,9 @@ CASES = {
                            '{city: Paris}<|call|>', None, "{city: Paris}", ()),
     "a call cut short": ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
                          '{"city": "Pa', None, '{"city": "Pa', ()),
+    "a call whose arguments are not JSON (NaN)": (
+        '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"a": NaN}<|call|>', None,
+        '{"a": NaN}', ()),
     # thousands of "[": that text, not a RecursionError (a 500)
     "a call nested past the JSON parser's depth": (
         '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"a": ' + "[" * 100_000 + "<|call|>",

@@ -131,6 +131,14 @@ CASES = [
      Parsed('{"name": "f", "parameters": {}} is what I would call', ())),
     (LLAMA3, '{"x": 1}', Parsed('{"x": 1}', ())),
     (LLAMA3, "Hello {name}", Parsed("Hello {name}", ())),
+    # NaN, Infinity and numbers past a float's range are not JSON (JSON.parse refuses them): not calls
+    (HERMES, '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
+     Parsed('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', ())),
+    (HERMES, '<tool_call>{"name": "f", "arguments": "{\\"x\\": -Infinity}"}</tool_call>',
+     Parsed('<tool_call>{"name": "f", "arguments": "{\\"x\\": -Infinity}"}</tool_call>', ())),
+    (MISTRAL_ARGS, '[TOOL_CALLS]f[ARGS]{"x": 1e400}', Parsed('[TOOL_CALLS]f[ARGS]{"x": 1e400}', ())),
+    (LLAMA3, '{"name": "f", "parameters": {"x": Infinity}}',
+     Parsed('{"name": "f", "parameters": {"x": Infinity}}', ())),
 ]
 
 
@@ -163,6 +171,9 @@ XML_CASES = [
     (_xml("f", s="two\nlines <b>", n="2", a="null"), Parsed(None, _calls(("f", {"s": "two\nlines <b>", "n": 2,
                                                                                "a": None})))),
     (_xml("f", i="twelve", o="{not json"), Parsed(None, _calls(("f", {"i": "twelve", "o": "{not json"})))),
+    # no NaN or infinity, which JSON has not: the text
+    (_xml("f", n="inf", o='{"k": NaN}', a="[1e400]"),
+     Parsed(None, _calls(("f", {"n": "inf", "o": '{"k": NaN}', "a": "[1e400]"})))),
     (_xml("g", i="12") + "\n" + _xml("f"), Parsed(None, _calls(("g", {"i": "12"}), ("f", {})))),  # g: no schema
     ("Let me look.\n\n" + _xml("f", e="x"), Parsed("Let me look.", _calls(("f", {"e": "x"})))),
     ("<tool_call>\n<function=f>\nloose text\n</function>\n</tool_call>",
