@@ -68,9 +68,9 @@ _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERM
 _MINIMAX_BLOCK = re.compile(re.escape(MINIMAX_OPEN) + r"(.*?)" + re.escape(MINIMAX_CLOSE), re.DOTALL)
 _MINIMAX_INVOKE = re.compile(r'<invoke name="([^">\n]+)">(.*?)</invoke>', re.DOTALL)
 _MINIMAX_PARAMETER = re.compile(r'<parameter name="([^">\n]+)">\n?(.*?)\n?</parameter>', re.DOTALL)
-# a mistral-args call's head after its [TOOL_CALLS]: the name, the id some templates write, [ARGS] (as vLLM's
-# mistral parser, which reads a call without it too)
-_MISTRAL_HEAD = re.compile(r"\s*([A-Za-z0-9_-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?\s*")
+# a mistral-args call's head after its [TOOL_CALLS]: the name (up to the next "[" or "{", as vLLM's mistral parser
+# reads it: a forced call spells any name), the id some templates write, [ARGS] (vLLM reads a call without it too)
+_MISTRAL_HEAD = re.compile(r"([^\[{]*)(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?\s*")
 XML_FUNCTION, GLM_KEY, GLM_COMPACT_PAIR = "<function=", "<arg_key>", "</arg_key><arg_value>"
 # a block's (function name, its parameters' text) and each parameter's (key, value), by format
 _GLM_CALL = re.compile(r"\s*([^<\n]+)(.*)", re.DOTALL)
@@ -230,13 +230,14 @@ def _mistral_args(text: str) -> Parsed | None:
     values, at = [], start
     while text.startswith(TOOL_CALLS, at):
         head = _MISTRAL_HEAD.match(text, at + len(TOOL_CALLS))
-        if head is None:
+        name = head.group(1).strip() if head is not None else ""
+        if head is None or not name:
             return None
         try:
             arguments, end = STRICT_JSON.raw_decode(text, head.end())
         except ValueError:
             return None
-        values.append({"name": head.group(1), "arguments": arguments})
+        values.append({"name": name, "arguments": arguments})
         at = _SPACE.match(text, end).end()
     calls = _calls(values, ("arguments",))
     if at < len(text) or calls is None:

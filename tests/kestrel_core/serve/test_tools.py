@@ -360,6 +360,16 @@ def test_a_mistral_args_grammar_admits_the_calls_parse_reads_and_no_others() -> 
     assert '<[9]> "g" <[32]> args1' in tokens  # the control tokens the vocabulary has
 
 
+@pytest.mark.parametrize("name", ["ns.get_weather", "get weather", "météo"])
+def test_a_forced_mistral_args_call_of_a_name_beyond_letters_and_digits_parses_back(name: str) -> None:
+    """The grammar spells any function's name; parse reads it back whole (as vLLM's parser: up to its [ARGS])."""
+    from kestrel_core.serve.tool_grammar import call_grammar
+
+    text = f'[TOOL_CALLS]{name}[ARGS]{{"x": 1}}'
+    assert _admits(call_grammar(MISTRAL_ARGS, [{"name": name, "parameters": {"type": "object"}}], many=True), text)
+    assert parse(MISTRAL_ARGS, text) == Parsed(None, _calls((name, {"x": 1})))
+
+
 def test_an_apriel_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
     """tool_choice "required" in Apriel's format: one <tool_calls> block of a list of calls, as its template writes
     an earlier turn's, each of an offered function with arguments its schema accepts; what it admits parses back."""
