@@ -65,20 +65,35 @@ MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 _SPACE = re.compile(r"\s*")
 # a block, or the last one where its end never comes (as vLLM's qwen3_coder parser reads it)
 _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|\Z)", re.DOTALL)
-_MINIMAX_BLOCK = re.compile(re.escape(MINIMAX_OPEN) + r"(.*?)" + re.escape(MINIMAX_CLOSE), re.DOTALL)
-_MINIMAX_INVOKE = re.compile(r'<invoke name="([^">\n]+)">(.*?)</invoke>', re.DOTALL)
-_MINIMAX_PARAMETER = re.compile(r'<parameter name="([^">\n]+)">\n?(.*?)\n?</parameter>', re.DOTALL)
+# an invoke's and a parameter's opening (the name or key its group), each running to its closing tag
+_MINIMAX_INVOKE = re.compile(r'<invoke name="([^">\n]+)">')
+_MINIMAX_PARAMETER = re.compile(r'<parameter name="([^">\n]+)">')
 # a mistral-args call's head after its [TOOL_CALLS]: the name (up to the next "[" or "{", as vLLM's mistral parser
 # reads it: a forced call spells any name), the id some templates write, [ARGS] (vLLM reads a call without it too)
 _MISTRAL_HEAD = re.compile(r"([^\[{]*)(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?\s*")
 XML_FUNCTION, GLM_KEY, GLM_COMPACT_PAIR = "<function=", "<arg_key>", "</arg_key><arg_value>"
 # a block's (function name, its parameters' text) and each parameter's (key, value), by format
 _GLM_CALL = re.compile(r"\s*([^<\n]+)(.*)", re.DOTALL)
-_GLM_PARAMETER = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _CALL = {XML: re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL), GLM: _GLM_CALL,
          GLM_COMPACT: _GLM_CALL}
-_PARAMETER = {XML: re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL), GLM: _GLM_PARAMETER,
+
+
+@dataclass(frozen=True)
+class _Tagged:
+    """How a format spells a tagged value: its opening (its group the key: a parameter's, an invoke's name), the
+    tag that closes it (its first after the opening), and whether one newline is trimmed from each end of it."""
+
+    opening: re.Pattern[str]
+    closing: str
+    trimmed: bool = True
+
+
+_GLM_PARAMETER = _Tagged(re.compile(r"<arg_key>((?:(?!</arg_key>).)*)</arg_key>\s*<arg_value>", re.DOTALL),
+                         "</arg_value>", trimmed=False)
+_PARAMETER = {XML: _Tagged(re.compile(r"<parameter=([^>\n]+)>"), "</parameter>"), GLM: _GLM_PARAMETER,
               GLM_COMPACT: _GLM_PARAMETER}
+_MINIMAX_INVOKES = _Tagged(_MINIMAX_INVOKE, "</invoke>", trimmed=False)
+_MINIMAX_PARAMETERS = _Tagged(_MINIMAX_PARAMETER, "</parameter>")
 # calls in blocks anywhere in the answer, by how a block opens
 _BLOCK_OPEN = {HERMES: (HERMES_OPEN,), **{fmt: (HERMES_OPEN,) for fmt in _CALL}, XML: (HERMES_OPEN, XML_FUNCTION),
                MINIMAX: (MINIMAX_OPEN,), APRIEL: (APRIEL_OPEN,), MISTRAL_ARGS: (TOOL_CALLS,), COHERE: (START_ACTION,),
@@ -266,30 +281,56 @@ def _typed_blocks(text: str, fmt: str, schemas: dict[str, Any]) -> Parsed | None
     return _around(text, cuts, tuple(calls)) if calls else None
 
 
-def _typed_call(name: str, body: str, parameter: re.Pattern[str], schemas: dict[str, Any]) -> ToolCall | None:
-    """A call of function ``name`` whose ``body`` is its parameters alone (``parameter``: a (key, value) each), its
-    values typed by ``schemas``; None where the name is empty or text stands beside the parameters."""
-    if not name or parameter.sub("", body).strip():
+def _tagged(body: str, tagged: _Tagged) -> list[tuple[str, str]] | None:
+    """The (key, value) of each value spelled as ``tagged`` that ``body`` is made of, whitespace around them; None
+    where other text stands beside them or a value never closes. One pass: a regular expression's search for them
+    takes time quadratic (or worse) in an answer of openings that never close."""
+    pairs, at = [], _SPACE.match(body).end()
+    while at < len(body):
+        opening = tagged.opening.match(body, at)
+        end = body.find(tagged.closing, opening.end()) if opening is not None else -1
+        if opening is None or end < 0:
+            return None
+        value = body[opening.end():end]
+        if tagged.trimmed:
+            value = value.removeprefix("\n").removesuffix("\n")
+        pairs.append((opening.group(1), value))
+        at = _SPACE.match(body, end + len(tagged.closing)).end()
+    return pairs
+
+
+def _typed_call(name: str, body: str, parameter: _Tagged, schemas: dict[str, Any]) -> ToolCall | None:
+    """A call of function ``name`` whose ``body`` is its parameters alone (spelled as ``parameter``), its values
+    typed by ``schemas``; None where the name is empty or text stands beside the parameters."""
+    pairs = _tagged(body, parameter)
+    if not name or pairs is None:
         return None  # text beside the parameters: not a call kestrel can read whole
     schema = schemas.get(name) or {}
     properties, defs = schema.get("properties") or {}, schema_defs(schema)
     arguments = {key.strip(): _typed(value, dereferenced(properties.get(key.strip()), defs), defs)
-                 for key, value in parameter.findall(body)}
+                 for key, value in pairs}
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
 def _minimax_blocks(text: str, schemas: dict[str, Any]) -> Parsed | None:
-    """MiniMax-M2's blocks: each one or more invokes of a function with its parameters, typed as the xml format's."""
-    calls, blocks = [], list(_MINIMAX_BLOCK.finditer(text))
-    for block in blocks:
-        if _MINIMAX_INVOKE.sub("", block.group(1)).strip():
+    """MiniMax-M2's blocks: each one or more invokes of a function with its parameters, typed as the xml format's;
+    a block runs to its first closing tag (where there is none, neither is there one for any later block)."""
+    calls, cuts, at = [], [], 0
+    while (start := text.find(MINIMAX_OPEN, at)) >= 0:
+        end = text.find(MINIMAX_CLOSE, start + len(MINIMAX_OPEN))
+        if end < 0:
+            break
+        invokes = _tagged(text[start + len(MINIMAX_OPEN):end], _MINIMAX_INVOKES)
+        if invokes is None:
             return None  # text beside the calls
-        for invoke in _MINIMAX_INVOKE.finditer(block.group(1)):
-            typed = _typed_call(invoke.group(1).strip(), invoke.group(2), _MINIMAX_PARAMETER, schemas)
+        for name, body in invokes:
+            typed = _typed_call(name.strip(), body, _MINIMAX_PARAMETERS, schemas)
             if typed is None:
                 return None
             calls.append(typed)
-    return _around(text, [block.span() for block in blocks], tuple(calls)) if calls else None
+        at = end + len(MINIMAX_CLOSE)
+        cuts.append((start, at))
+    return _around(text, cuts, tuple(calls)) if calls else None
 
 
 def _typed(value: str, schema: Any, defs: dict[str, Any]) -> Any:

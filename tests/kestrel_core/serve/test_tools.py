@@ -219,6 +219,9 @@ GLM_CASES = [
     (_glm("f", i="1").removesuffix("</tool_call>"), Parsed(None, _calls(("f", {"i": 1})))),  # its end never came
     ("<tool_call>\n<arg_key>s</arg_key><arg_value>x</arg_value></tool_call>",  # no name
      Parsed("<tool_call>\n<arg_key>s</arg_key><arg_value>x</arg_value></tool_call>", ())),
+    # a key ends at its first </arg_key>: text after it is not more of the key
+    ("<tool_call>f<arg_key>s</arg_key>junk</arg_key><arg_value>x</arg_value></tool_call>",
+     Parsed("<tool_call>f<arg_key>s</arg_key>junk</arg_key><arg_value>x</arg_value></tool_call>", ())),
 ]
 
 
