@@ -214,7 +214,7 @@ class ChatMessage(RequestBody):
 
 
 class FunctionTool(RequestBody):
-    name: StrictStr
+    name: StrictStr = Field(min_length=1)  # no format's call of an empty name reads back as a call
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema
     strict: StrictBool | None = None
