@@ -53,6 +53,8 @@ GGUF_PREFERENCE = ("Q8_0", "F16", "BF16", "F32", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5
 # what marks a GGUF file as a model's companion, not a model, in its name, as llama.cpp's gguf_filename_is_model
 # (common/download.cpp) tells them apart: a vision projector, an importance matrix, a speculative draft head
 COMPANION_MARKS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
+# a commit's name as the Hub gives it, which names its snapshot folder in the cache (so nothing that leaves it)
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 _SHARD = re.compile(r"-\d{5}-of-\d{5}$")
 _SHARD_FIRST = re.compile(r"-00001-of-\d{5}$")
 
@@ -141,6 +143,10 @@ class Hub:
             else:
                 why = f"the Hub cannot be reached: {_first_line(exc)}"
             return self._cached(spec, why, force=force)
+        if info.sha is not None and not (isinstance(info.sha, str) and _COMMIT.fullmatch(info.sha)):
+            raise KestrelError(f"model {spec}: the Hub's listing names its commit {safe_text(info.sha, quoted=True)}, "
+                               "not a commit hash that can name a snapshot in the cache: is HF_ENDPOINT a Hugging "
+                               "Face Hub?")
         kind, chosen = choose_files(spec, list(sizes))
         # the listing's commit, which every file is fetched at (a name such as main may move meanwhile)
         files = CommitFiles(str(spec), spec.repo, spec.revision or constants.DEFAULT_REVISION,
@@ -200,7 +206,7 @@ class Hub:
         folder = Path(self.cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=spec.repo, repo_type="model")
         rev = spec.revision or "main"
         try:
-            commit = rev if re.fullmatch(r"[0-9a-f]{40}", rev) else (folder / "refs" / rev).read_text().strip()
+            commit = rev if _COMMIT.fullmatch(rev) else (folder / "refs" / rev).read_text().strip()
         except OSError:
             commit = ""
         snap = folder / "snapshots" / commit

@@ -207,6 +207,32 @@ def test_an_etag_that_cannot_name_a_blob_is_refused(hub: FakeHub, tmp_path: Path
     assert hub.served == [] and not list(tmp_path.rglob("evil*"))
 
 
+def test_a_listing_whose_commit_would_leave_the_snapshots_folder_is_refused(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing's commit names the snapshot folder the files are linked in: one that would leave it (from a
+    Hub that answers for that commit too) is one line, and the user's file it would have replaced is as it was."""
+    from huggingface_hub import HfApi
+
+    evil = "../../../mine"
+    hub.commits[f"org/many@{evil}"] = hub.repos["org/many"]
+    mine = tmp_path / "mine" / "config.json"
+    mine.parent.mkdir()
+    mine.write_text("the user's own")
+    list_repository = HfApi.repo_info
+
+    def tampered(self: HfApi, *args: object, **kwargs: object) -> object:
+        info = list_repository(self, *args, **kwargs)
+        info.sha = evil
+        return info
+
+    monkeypatch.setattr(HfApi, "repo_info", tampered)
+    with pytest.raises(KestrelError, match=rf"^model org/many: the Hub's listing names its commit "
+                                           rf"{re.escape(repr(evil))}, not a commit hash"):
+        Hub(hub.url, str(tmp_path / "cache")).fetch(HubSpec("org/many"))
+    assert not mine.is_symlink() and mine.read_text() == "the user's own" and hub.served == []
+
+
 def _fetch_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("hub-fetch-")}
 
