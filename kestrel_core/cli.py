@@ -321,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds running requests get to finish on SIGTERM/SIGINT (default: 30)")
     p.add_argument("--pooling", default=None, choices=POOLINGS,
                    help="how /v1/embeddings pools a text's hidden states (default: the model's, else last)")
+    p.add_argument("--rerank", action="store_true",
+                   help="serve the model (a Qwen3-Reranker checkpoint) as the reranker it is: /v1/rerank and "
+                        "/v1/score score a document by the probability of \"yes\" against \"no\" after its prompt "
+                        "(a GGUF converted from one, rank pooling, is one without it)")
     _model_sampling_arg(p)
     p.add_argument("--preset", default=None, help="synthetic model preset (random weights) instead of --model")
     p.set_defaults(func=cmd_serve)

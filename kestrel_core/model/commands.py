@@ -28,6 +28,7 @@ from kestrel_core.model.fim import fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, regex_grammar
 from kestrel_core.model.harmony import HarmonyStream, is_harmony
 from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, reasoning_markers, think_kwargs
+from kestrel_core.model.rerank import is_reranker
 from kestrel_core.model.speculate import DRAFT_MIN, DRAFT_P_MIN
 from kestrel_core.model.validate import read_line_stdin, read_text_stdin
 
@@ -428,6 +429,9 @@ def embed(args: argparse.Namespace) -> int:
     """Each text's embedding as a JSON array on a line of its own, in the order given."""
     texts = _embed_texts(args)
     with _open_engine(args) as engine:
+        if is_reranker(engine.config):
+            raise KestrelError("this is a reranker: it scores query-document pairs (kestrel serve: /v1/rerank), "
+                               "its hidden states are no embeddings")
         ids = [list(engine.tokenizer.encode(text)) for text in texts]
         vectors = engine.embed(ids, pooling=args.pooling, dimensions=args.dimensions)
         for v in vectors:

@@ -152,6 +152,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pooling: str | None = None  # an embedding model's pooling (one of POOLINGS): it gives vectors, not text
     normalize_embeddings: bool = True  # an embedding scaled to unit length
+    # a reranker's prompt, {query} and {document} in it (kestrel_core.model.rerank): its pooling is the last token's
+    # hidden state, unscaled, which its two classifier rows score
+    rerank_template: str | None = None
     # the sampling its authors recommend (some of SAMPLING_FIELDS): what a request leaves unset takes these
     sampling: dict[str, float] | None = None
 
@@ -345,6 +348,9 @@ def validate_config(c: ModelConfig) -> None:
     check_float("swiglu_alpha", c.swiglu_alpha, 0.0, lo_open=True)
     if c.pooling is not None and c.pooling not in POOLINGS:
         raise ValidationError(f"pooling must be one of {', '.join(POOLINGS)} or null, got {c.pooling!r}")
+    if c.rerank_template is not None and not (isinstance(c.rerank_template, str) and c.pooling == "last"
+                                              and not c.normalize_embeddings):
+        raise ValidationError("rerank_template must be text, with pooling last and normalize_embeddings false")
     if c.qk_norm_full and not c.qk_norm:
         raise ValidationError("qk_norm_full needs qk_norm")
     if c.qk_norm_heads and (not c.qk_norm or c.qk_norm_full):

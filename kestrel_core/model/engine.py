@@ -29,6 +29,7 @@ from kestrel_core.model.embed import EmbedJob
 from kestrel_core.model.grammar import Constraint, grammar_vocab
 from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.kv_pool import KVPool, SeqCache
+from kestrel_core.model.rerank import gives_no_text
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.scoring import check_top
 from kestrel_core.model.validate import is_int
@@ -440,10 +441,9 @@ class Engine:
     # -- API -----------------------------------------------------------------------------------------
 
     def check_generates(self) -> None:
-        """InvalidRequest for an embedding model (its checkpoint declares a pooling): it gives vectors, not text."""
+        """InvalidRequest for a model that pools (an embedding model, a reranker): it gives vectors, not text."""
         if self.config.pooling is not None:
-            raise InvalidRequest(f"this is an embedding model ({self.config.pooling} pooling): it gives embeddings "
-                                 "(kestrel embed, /v1/embeddings), not text", param="model")
+            raise InvalidRequest(gives_no_text(self.config), param="model")
 
     def embed(self, inputs: Sequence[Sequence[int]], *, pooling: str | None = None,
               dimensions: int | None = None) -> np.ndarray:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import normalize_rope_scaling
 from kestrel_core.model.engine import Engine
+from kestrel_core.model.rerank import as_reranker
 from kestrel_core.model.validate import ValidationError, is_int
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Registry
@@ -78,7 +79,7 @@ def with_context(model: Model, max_model_len: int | None = None,
 def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_mb: float | None = None,
           activations: str = "auto", backend_options: dict[str, str] | None = None,
           max_model_len: int | None = None, rope_scaling: dict[str, Any] | None = None,
-          kv_cache_type: str = "f16") -> Engine:
+          kv_cache_type: str = "f16", rerank: bool = False) -> Engine:
     """Bind first (a backend that cannot bind fails fast, before any model is read), then load, preload."""
     if backend_options is not None and not (isinstance(backend_options, Mapping) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in backend_options.items())):
@@ -89,6 +90,8 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_
         cpu = registry.cpu()
         t0 = time.perf_counter()
         model, tokenizer, source = resolve()
+        if rerank:
+            model = as_reranker(model, tokenizer)
         model = with_context(model, max_model_len, rope_scaling)
         load_s = time.perf_counter() - t0
         engine = Engine(model, tokenizer, chosen, cpu, registry=registry, source=source, kv_cache_mb=kv_cache_mb,
@@ -105,7 +108,7 @@ def load(model: str | Model | None = None, backend: str = "auto", quant: str | N
          backend_options: dict[str, str] | None = None, max_model_len: int | None = None,
          rope_scaling: dict[str, Any] | None = None, lora: LoraPaths | None = None,
          lora_scale: float | Sequence[float] = 1.0,
-         kv_cache_type: str = "f16") -> Engine:
+         kv_cache_type: str = "f16", rerank: bool = False) -> Engine:
     """An engine for ``model`` (a path, None for the default model, or a Model) on ``backend`` (``auto``:
     the best bound gpu/npu accelerator, else cpu); the model is preloaded onto the backend. ``quant``:
     q8 (None: the default; an artifact keeps its own), q4, q8-g256 or q4-g256. ``kv_cache_mb``: the host KV
@@ -116,13 +119,15 @@ def load(model: str | Model | None = None, backend: str = "auto", quant: str | N
     receives. ``max_model_len``: the context (None: the model's); ``rope_scaling``: a RoPE scaling in place of
     the model's, e.g. YaRN for a longer context (``with_context``); ``lora``: a LoRA adapter (a PEFT directory or
     llama.cpp's GGUF adapter), or a list of them stacked in order, merged into the weights as they load, each
-    one's scale times ``lora_scale`` (one for all, or a list of one each; kestrel_core.model.lora)."""
+    one's scale times ``lora_scale`` (one for all, or a list of one each; kestrel_core.model.lora); ``rerank``: a
+    Qwen3-Reranker checkpoint made the reranker it is (kestrel_core.model.rerank; a GGUF converted from one is one
+    without it)."""
     if lora is not None:
         from kestrel_core.model.lora import lora_paths
 
         lora_paths(lora)  # a wrong type fails before the backend is bound
     return _open(lambda: _resolve_model(model, quant, lora, lora_scale), backend, kv_cache_mb, activations,
-                 backend_options, max_model_len, rope_scaling, kv_cache_type)
+                 backend_options, max_model_len, rope_scaling, kv_cache_type, rerank)
 
 
 def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed: int = 0,

@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import recommended_sampling, yarn_mscale
 from kestrel_core.model.quantize import layer_name
+from kestrel_core.model.rerank import gguf_rank_fields
 from kestrel_core.model.validate import (
     MAX_EXPERTS,
     MAX_HEADS,
@@ -39,6 +40,7 @@ GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's: every 2nd (Gemma 
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales their queries by 1/sqrt(hidden / heads)
 GEMMA3_SWA_THETA = 10000.0  # llama.cpp's RoPE base of Gemma 3's sliding layers (not in the file)
 GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling_type: none, mean, cls, last
+RANK_POOLING = 4  # llama.cpp's pooling_type of a reranker (model/rerank.py)
 # general.sampling.<key> -> SamplingParams' name: the sampling a file recommends (llama.cpp's keys)
 GGUF_SAMPLING = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "penalty_repeat": "repetition_penalty"}
@@ -82,13 +84,14 @@ def dequantize_tensor(t: Any, where: str, data: np.ndarray | None = None) -> np.
 
 
 class GGUFMetadata:
-    """The metadata of a GGUF file ``reader`` (``path`` names it in errors); ``_tensors`` (kestrel name -> tensor)
-    and ``_rope_factors`` say which optional tensors the file holds."""
+    """The metadata of a GGUF file ``reader`` (``path`` names it in errors); ``_tensors`` (kestrel name -> tensor),
+    ``_rope_factors`` and ``file_tensors`` (every tensor) say which optional tensors the file holds."""
 
     path: Path
     reader: GGUFReader
     _tensors: dict[str, Any]
     _rope_factors: dict[str, Any]
+    file_tensors: list[Any]
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self.reader.fields.get(key)
@@ -142,17 +145,20 @@ class GGUFMetadata:
         except ValidationError as exc:
             raise KestrelError(f"{self.path}: metadata {exc}") from None
 
-    def _pooling(self, arch: str) -> str | None:
-        """An embedding model's pooling (llama.cpp's pooling_type); None for a model that generates."""
+    def _pooling(self, arch: str, hidden: int) -> dict[str, Any]:
+        """An embedding model's pooling (llama.cpp's pooling_type; None for a model that generates), or a reranker's
+        fields (rank pooling: model/rerank.py)."""
         if self.field(f"{arch}.attention.causal") is False:
             raise KestrelError(f"{self.path}: bidirectional attention ({arch}.attention.causal false) is not "
                                "supported")
         kind = self.int_field(f"{arch}.pooling_type", 0, lo=0)
+        if kind == RANK_POOLING:
+            return gguf_rank_fields(str(self.path), arch, self.field("tokenizer.chat_template.rerank"),
+                                    self._tensors.get("classifier"), hidden, {t.name for t in self.file_tensors})
         if kind not in GGUF_POOLING:
-            what = "rank (a reranker)" if kind == 4 else str(kind)
-            raise KestrelError(f"{self.path}: {arch}.pooling_type {what} is not supported (kestrel pools by "
-                               "mean, cls or last token)")
-        return GGUF_POOLING[kind]
+            raise KestrelError(f"{self.path}: {arch}.pooling_type {kind} is not supported (kestrel pools by mean, cls "
+                               "or last token, or ranks)")
+        return {"pooling": GGUF_POOLING[kind]}
 
     def _sampling(self) -> dict[str, Any] | None:
         """The file's recommended sampling (general.sampling.*; None: none)."""

@@ -107,7 +107,8 @@ _TILED_VALUE_HEADS = {"lin_qkv": (0, "dv"), "lin_z": (0, "dv"), "lin_beta": (0, 
 # a mixture-of-experts layer's experts, stacked [E, N, K] in one tensor each (gpt-oss's biases [E, N])
 _STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
             "ffn_gate_exps.bias": "gate_bias", "ffn_up_exps.bias": "up_bias", "ffn_down_exps.bias": "down_bias"}
-_GLOBAL_MAP = {"token_embd.weight": "embedding", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+_GLOBAL_MAP = {"token_embd.weight": "embedding", "output_norm.weight": "final_norm", "output.weight": "lm_head",
+               "cls.output.weight": "classifier"}  # a reranker's (model/rerank.py)
 _LFM2_GLOBAL_MAP = {**_GLOBAL_MAP, "token_embd_norm.weight": "final_norm"}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -340,7 +341,7 @@ class GGUFCheckpoint(GGUFMetadata):
             raise KestrelError(f"{self.path}: {arch}.nextn_predict_layers {nextn} leaves none of the {layers} blocks")
         layers -= nextn
         extra = self._arch_fields(arch, hidden, heads, head_dim, layers)
-        extra["pooling"] = self._pooling(arch)
+        extra.update(self._pooling(arch, hidden))
         try:
             if self._rope_freqs is not None:
                 freqs = dequantize_tensor(self._rope_freqs, str(self.path))

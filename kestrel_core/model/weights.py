@@ -173,6 +173,7 @@ class Model:
     layers: list[LayerWeights]
     final_norm: np.ndarray  # [D]
     lm_head: StripCache  # [V, D]; the embedding itself when tied
+    classifier: np.ndarray | None = None  # [2, D] float32: a reranker's yes and no rows (config.rerank_template)
 
     def weights(self) -> list[tuple[int, StripCache]]:
         """Every (wkey, StripCache) the GEMMs use, in execution order (a layer's experts after its attention)."""
@@ -323,7 +324,8 @@ def _mamba_specs(c: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def model_specs(c: ModelConfig) -> list[TensorSpec]:
-    """Every tensor of a model of config ``c``: embedding, the layers, final_norm, lm_head (unless tied)."""
+    """Every tensor of a model of config ``c``: embedding, the layers, final_norm, lm_head (unless tied), a
+    reranker's classifier."""
     table = (c.vocab_size, c.hidden_size)
     out = [TensorSpec("embedding", "table", table)]
     for i in range(c.num_layers):
@@ -331,6 +333,8 @@ def model_specs(c: ModelConfig) -> list[TensorSpec]:
     out.append(TensorSpec("final_norm", "vector", (c.hidden_size,)))
     if not c.tie_word_embeddings:
         out.append(TensorSpec("lm_head", "table", table))
+    if c.rerank_template is not None:
+        out.append(TensorSpec("classifier", "matrix", (2, c.hidden_size)))
     return out
 
 
@@ -349,14 +353,15 @@ def assemble(c: ModelConfig, tensors: Mapping[str, Any]) -> Model:
         layers.append(LayerWeights(**fields, experts=experts, shared_expert=shared))
     embedding = tensors["embedding"]
     lm_head = embedding if c.tie_word_embeddings else tensors["lm_head"]  # tied: the same object, cached once
-    return Model(config=c, embedding=embedding, layers=layers, final_norm=tensors["final_norm"], lm_head=lm_head)
+    return Model(config=c, embedding=embedding, layers=layers, final_norm=tensors["final_norm"], lm_head=lm_head,
+                 classifier=tensors["classifier"] if c.rerank_template is not None else None)
 
 
 def model_tensors(model: Model) -> dict[str, StripCache | np.ndarray]:
     """Every tensor of ``model`` under its name (``model_specs``); a tied lm_head is left out."""
     out: dict[str, StripCache | np.ndarray] = {}
     for s in model_specs(model.config):
-        if s.name in ("embedding", "final_norm", "lm_head"):
+        if s.name in ("embedding", "final_norm", "lm_head", "classifier"):
             out[s.name] = getattr(model, s.name)
             continue
         _, i, field = s.name.split(".", 2)

@@ -30,6 +30,7 @@ from kestrel_core.model.embed import check_input
 from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, reasoning_markers
 from kestrel_core.model.request_queue import checked_priority
+from kestrel_core.model.rerank import is_reranker
 from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.serve import anthropic, generation, llamacpp, ollama, responses_api, scores, tokenize
 from kestrel_core.serve.access import (
@@ -273,6 +274,9 @@ class Served:
 
     async def embed(self, body: EmbeddingRequest, request: Request, truncate: bool = False) -> Response:
         """``/v1/embeddings``' answer; ``truncate``: inputs longer than the context keep their first tokens."""
+        if is_reranker(self.engine.config):
+            raise APIError(400, f"`{self.model_name}` is a reranker: it gives relevance scores of query-document pairs "
+                           "(/v1/rerank, /v1/score), not embeddings", param="model")
         inputs = await self.tokenized(body.inputs, "input", truncate)
 
         def answer(vectors: np.ndarray, prompt_tokens: int) -> dict[str, Any]:

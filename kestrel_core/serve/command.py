@@ -73,6 +73,9 @@ def serve_command(args: argparse.Namespace) -> int:
         raise KestrelError("--lora merges into one model; serve one --model with it")
     if args.draft_model is not None and len(args.model or ()) > 1:
         raise KestrelError("--draft-model drafts for one model; serve one --model with it")
+    if args.rerank and (preset or len(args.model or ()) != 1):
+        raise KestrelError("--rerank makes one checkpoint a reranker; serve one --model with it (a reranker GGUF "
+                           "needs no --rerank)")
     loading = load_options(args, preset=bool(preset))  # a bad option is its error, not a busy port's
     sock = bind_socket(args.host, args.port)  # a busy port fails now, not after the model has loaded
     engines = []
@@ -83,7 +86,7 @@ def serve_command(args: argparse.Namespace) -> int:
             engines.append(load_preset(preset, **options, **loading))
         else:
             for model in args.model or [None]:
-                engines.append(load(model, **options, **loading))
+                engines.append(load(model, **options, **loading, rerank=args.rerank))
         for engine in engines:
             set_speculate(engine, args.speculate, args.draft_model, args.quant, args.draft_p_min, args.draft_min)
             if args.no_model_sampling:

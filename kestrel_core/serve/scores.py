@@ -1,15 +1,18 @@
-"""Relevance scores from an embedding model: vLLM's ``/v1/score`` and the rerank API of Jina and Cohere
+"""Relevance scores from an embedding model or a reranker: vLLM's ``/v1/score`` and the rerank API of Jina and Cohere
 (``/v1/rerank``, ``/v2/rerank``), which retrieval pipelines call to order documents for a query.
 
-A score is the cosine similarity of the two texts' embeddings, as vLLM scores with an embedding model (a
-bi-encoder: each text embedded on its own, in one embedding job). Cross-encoder rerankers, which read the query
-and a document together, are not served; a model that generates is refused, since its last hidden state is no
-trained embedding.
+An embedding model scores a pair by the cosine similarity of the two texts' embeddings, as vLLM scores with one (a
+bi-encoder: each text embedded on its own, in one embedding job). A reranker (kestrel_core.model.rerank) reads the
+query and the document together in one prompt and scores the pair by its classifier on the prompt's last hidden
+state (a cross-encoder: llama.cpp's and vLLM's score of Qwen3-Reranker); the prompts run as one embedding job. A
+model that generates is refused, since its last hidden state is neither.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
@@ -17,8 +20,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import StrictBool, StrictInt, StrictStr
 
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.embed import check_input
+from kestrel_core.model.rerank import RerankPrompt, is_reranker, relevance
 from kestrel_core.serve import generation
-from kestrel_core.serve.errors import APIError
+from kestrel_core.serve.errors import APIError, from_kestrel_error
 from kestrel_core.serve.offload import json_body
 from kestrel_core.serve.protocol import MAX_INPUTS, RequestBody
 from kestrel_core.serve.responses import new_id
@@ -82,11 +88,60 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return dot / np.maximum(norms, 1e-12)
 
 
-def _embedder(models: Models, name: str | None) -> Served:
+# the answer of a request: its pairs' scores [pairs] and the prompt tokens it took
+Shape = Callable[[np.ndarray, int], dict[str, Any]]
+
+
+def _scorer(models: Models, name: str | None) -> Served:
     served = models.get(name)
     if served.engine.config.pooling is None:
-        raise APIError(400, f"scores need an embedding model; `{served.model_name}` generates text", param="model")
+        raise APIError(400, "scores need an embedding model or a reranker (kestrel serve --rerank); "
+                       f"`{served.model_name}` generates text", param="model")
     return served
+
+
+async def _scores(served: Served, request: Request, left: list[str], right: list[str], names: tuple[str, str, str],
+                  shape: Shape) -> Response:
+    """The score of each pair (left[i], right[i]), answered as ``shape`` makes it; ``names``: the params of the left
+    and the right texts, and what a message calls a right one."""
+    if is_reranker(served.engine.config):
+        return await _cross_scores(served, request, left, right, names, shape)
+    firsts = dict.fromkeys(left)  # each text once: "one against many" embeds the one once
+    seconds = [text for text in dict.fromkeys(right) if text not in firsts]
+    ids = (await served.tokenized(lambda: list(firsts), names[0])
+           + await served.tokenized(lambda: seconds, names[1], what=names[2]))
+    at = {text: i for i, text in enumerate([*firsts, *seconds])}
+
+    def answer(vectors: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
+        return shape(cosines(vectors[[at[t] for t in left]], vectors[[at[t] for t in right]]), prompt_tokens)
+
+    return await generation.embed(served.async_engine, request, ids, answer, pooling=served.pooling)
+
+
+async def _cross_scores(served: Served, request: Request, left: list[str], right: list[str],
+                        names: tuple[str, str, str], shape: Shape) -> Response:
+    """A reranker's scores: each distinct pair's prompt once, past the context a 400 naming the right text."""
+    engine = served.engine
+    pairs = list(zip(left, right))
+    first: dict[tuple[str, str], int] = {}  # each distinct pair: where the request first has it
+    for i, pair in enumerate(pairs):
+        first.setdefault(pair, i)
+
+    def tokenize() -> list[list[int]]:
+        prompt = RerankPrompt(engine.tokenizer, engine.config.rerank_template)
+        return [check_input(engine, prompt.ids(*pair), f"prompt of {names[2]} {i}", names[1])
+                for pair, i in first.items()]
+
+    try:
+        ids = await asyncio.to_thread(tokenize)
+    except KestrelError as exc:
+        raise from_kestrel_error(exc, param=names[1]) from None
+    at = {pair: k for k, pair in enumerate(first)}
+
+    def answer(vectors: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
+        return shape(relevance(engine.model.classifier, vectors)[[at[pair] for pair in pairs]], prompt_tokens)
+
+    return await generation.embed(served.async_engine, request, ids, answer, pooling="last")
 
 
 def install(app: FastAPI, models: Models) -> None:
@@ -94,31 +149,23 @@ def install(app: FastAPI, models: Models) -> None:
 
     @app.post("/v1/score")
     async def score(body: Annotated[ScoreBody, json_body(ScoreBody)], request: Request) -> Response:
-        served = _embedder(models, body.model)
+        served = _scorer(models, body.model)
         left, right = body.pairs()
-        firsts = dict.fromkeys(left)  # each text once: "one against many" embeds the one once
-        seconds = [text for text in dict.fromkeys(right) if text not in firsts]
-        ids = await served.tokenized(lambda: list(firsts), "text_1") + await served.tokenized(lambda: seconds, "text_2")
-        at = {text: i for i, text in enumerate([*firsts, *seconds])}
 
-        def answer(vectors: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
-            scores = cosines(vectors[[at[t] for t in left]], vectors[[at[t] for t in right]])
+        def shape(scores: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
             return {"id": new_id("score"), "object": "list", "created": int(time.time()), "model": served.model_name,
                     "data": [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)],
                     "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
-        return await generation.embed(served.async_engine, request, ids, answer, pooling=served.pooling)
+        return await _scores(served, request, left, right, ("text_1", "text_2", "text_2"), shape)
 
     @app.post("/v1/rerank")
     @app.post("/v2/rerank")
     async def rerank(body: Annotated[RerankBody, json_body(RerankBody)], request: Request) -> Response:
-        served = _embedder(models, body.model)
+        served = _scorer(models, body.model)
         documents = body.texts()
-        ids = (await served.tokenized(lambda: [body.query], "query")
-               + await served.tokenized(lambda: documents, "documents", what="document"))
 
-        def answer(vectors: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
-            scores = cosines(np.repeat(vectors[:1], len(documents), axis=0), vectors[1:])
+        def shape(scores: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
             order = np.argsort(-scores, kind="stable")[:body.top_n or None]  # top_n 0: all, as vLLM reads it
             results = []
             for i in order:
@@ -129,4 +176,5 @@ def install(app: FastAPI, models: Models) -> None:
             return {"id": new_id("rerank"), "model": served.model_name, "results": results,
                     "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
-        return await generation.embed(served.async_engine, request, ids, answer, pooling=served.pooling)
+        return await _scores(served, request, [body.query] * len(documents), documents,
+                              ("query", "documents", "document"), shape)
