@@ -35,6 +35,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.hub import parse_hub_spec
 from kestrel_core.model.request_queue import FCFS
+from kestrel_core.model.rerank import is_reranker
 from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
 from kestrel_core.serve.access import DEFAULT_MAX_REQUEST_BYTES, is_loopback
 from kestrel_core.serve.app import create_app
@@ -321,7 +322,8 @@ def _describe(name: str, engine: Any, pooling: str | None) -> str:
     """One model in the startup line: its name, what it does, its backend, the draft model that guesses its
     tokens, the sampling it recommends."""
     pooled = engine.config.pooling
-    kind = f", embeddings only ({pooling or pooled} pooling)" if pooled else ""
+    kind = (", a reranker (/v1/rerank, /v1/score)" if is_reranker(engine.config) else
+            f", embeddings only ({pooling or pooled} pooling)" if pooled else "")
     draft = getattr(engine, "draft_model", None)
     drafts = (f", draft model {draft.engine.source} guessing up to {engine.speculate} tokens a step"
               if draft is not None and getattr(engine, "speculate", 0) else "")

@@ -217,12 +217,14 @@ def test_gguf_pooling_type(tmp_path: Path, synth_source, fmt, kind: int, pooling
     assert GGUFCheckpoint(path).config.pooling == pooling
 
 
-def test_gguf_rerankers_and_bidirectional_models_are_refused(tmp_path: Path, synth_source, fmt) -> None:
+def test_a_gguf_reranker_without_its_classifier_and_bidirectional_models_are_refused(tmp_path: Path, synth_source,
+                                                                                      fmt) -> None:
+    """A reranker's GGUF that is whole: tests/kestrel_core/model/test_rerank.py."""
     from kestrel_core.model.gguf_reader import GGUFCheckpoint
 
     rank = fmt.write_gguf(tmp_path / "rank.gguf", synth_source("qwen3"),
                           metadata=lambda w: w.add_pooling_type(gguf.PoolingType.RANK))
-    with pytest.raises(KestrelError, match="pooling_type rank"):
+    with pytest.raises(KestrelError, match="pooling_type rank .* without its classifier"):
         GGUFCheckpoint(rank)
     both = fmt.write_gguf(tmp_path / "both.gguf", synth_source("qwen3"),
                           metadata=lambda w: w.add_causal_attention(False))
