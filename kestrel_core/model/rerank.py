@@ -110,17 +110,19 @@ class RerankPrompt:
         added = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.content}
         split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
         self.tokenizer = tokenizer
-        self.pieces: list[int | str] = [added[p] if p in added else p for p in
-                                        (split.split(template) if added else [template]) if p]
+        # a special token's id, a text's ids, or a text with a placeholder, read for each pair
+        self.pieces: list[list[int] | str] = [
+            [added[p]] if p in added else p if _PLACEHOLDER.search(p) else tokenizer.encode_text(p)
+            for p in (split.split(template) if added else [template]) if p]
 
     def ids(self, query: str, document: str) -> list[int]:
         texts = {"{query}": query, "{document}": document}
         out: list[int] = []
         for piece in self.pieces:
-            if isinstance(piece, int):
-                out.append(piece)
-            else:  # each placeholder replaced once: a query that spells {document} stays as it is
+            if isinstance(piece, str):  # each placeholder replaced once: a query that spells {document} stays so
                 out += self.tokenizer.encode_text(_PLACEHOLDER.sub(lambda m: texts[m.group()], piece))
+            else:
+                out += piece
         return out
 
 
