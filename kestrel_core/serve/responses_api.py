@@ -19,8 +19,9 @@ a client sends the whole conversation (as ``store: false`` clients do). As on th
 what kestrel does not do is refused (``context_management``'s compaction, ``moderation``, a tool choice other than a
 function), fields that only tune what OpenAI's own service does (``service_tier``, ``prompt_cache_key``,
 ``prompt_cache_options``' other options, ``safety_identifier``, ``user``, ``max_tool_calls`` of built-in tools,
-``reasoning.summary``, ``text.verbosity``, other ``include`` values) are accepted and ignored, and so are unknown
-fields. ``priority`` (vLLM's extension) is the chat request's.
+``reasoning.summary``, ``text.verbosity``, the API's other ``include`` values) are accepted and ignored, and so are
+unknown fields; an ``include`` value the API does not define is refused. ``priority`` (vLLM's extension) is the
+chat request's.
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ if TYPE_CHECKING:
 # the chat request's fields a Responses request sets, by the names it sends them under (its errors name those; the
 # prompt the input makes is the input)
 CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
-              "reasoning_effort": "reasoning.effort", "messages": "input", "prompt": "input"}
+              "reasoning_effort": "reasoning.effort", "messages": "input", "prompt": "input",
+              "tools.*.function": "tools.*"}
+# ``include``'s values the API defines (the openai package's ResponseIncludable); kestrel answers the logprobs one
+INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url",
+              "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs")
 
 class Reasoning(RequestBody):
     effort: StrictStr | None = None
@@ -102,7 +108,11 @@ class ResponsesBody(RequestBody):
         if not isinstance(fmt, dict):
             raise APIError(400, "text.format must be an object", param="text.format")
         with named_as({name: f"text.format.{name}" for name in ("type", "name", "schema", "strict")}):
-            return validated(TextFormat, fmt)
+            got = validated(TextFormat, fmt)
+        if got.type == "json_schema" and got.schema_ is None:
+            raise APIError(400, "text.format.schema is required for a json_schema format",
+                           param="text.format.schema", code="missing_required_parameter")
+        return got
 
     def openai(self) -> dict[str, Any]:
         for name in ("previous_response_id", "conversation", "prompt"):
@@ -119,6 +129,10 @@ class ResponsesBody(RequestBody):
         if self.moderation is not None:
             raise APIError(400, "moderation is not supported: kestrel moderates neither the input nor the output; "
                            "send the request without it", param="moderation")
+        for i, value in enumerate(self.include or ()):
+            if value not in INCLUDABLE:
+                raise APIError(400, f"include.[{i}]: {value!r} is not one of {', '.join(INCLUDABLE)}",
+                               param=f"include.[{i}]", code="invalid_value")
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})

@@ -106,6 +106,11 @@ def test_a_json_schema_format_is_parsed(client: openai.OpenAI) -> None:
     ({"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens"),  # the Responses API's names, not chat's
     ({"input": "Hi", "text": {"format": {"type": "wat"}}}, 400, "text.format.type"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "schema": {"type": "wat"}}}}, 400, "text.format"),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
+    ({"input": "Hi", "include": ["message.output_text.logprobs", "bogus"]}, 400, "include.[1]"),
+    # a function tool's fields are the tool's own in this API (chat's sit under "function")
+    ({"input": "Hi", "tools": [{**TOOL, "name": ""}]}, 400, "tools.[0].name"),
+    ({"input": "Hi", "tools": [{**TOOL, "parameters": "x"}]}, 400, "tools.[0].parameters"),
 ])
 def test_bad_requests_name_the_field(server: KestrelServer, body: dict[str, Any], status: int, param: str) -> None:
     got, _, raw = http("POST", f"{server.url}/v1/responses", body)
