@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import kestrel_core
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.async_engine import Places
 from kestrel_core.model.chat_template import continue_final_message
 from kestrel_core.model.embed import check_input
@@ -99,7 +99,10 @@ class Served:
         at once."""
         def texts() -> list[str]:
             for one in ids:
-                self.engine.check_ids(one, "prompt")
+                try:
+                    self.engine.check_ids(one, "prompt")
+                except KestrelError as exc:  # a bad prompt, as a generation's (checked_prompt)
+                    raise InvalidRequest(str(exc), param="prompt") from None
             return [p if isinstance(p, str) else self.engine.tokenizer.decode(one) for p, one in zip(prompts, ids)]
 
         async def scores(top: int) -> list[list[TokenLogprob] | None]:  # each prompt a request of the engine's

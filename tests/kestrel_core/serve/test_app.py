@@ -602,13 +602,17 @@ def test_a_json_body_sent_as_curl_d_sends_it_is_read(server: KestrelServer, cont
     ({"prompt": ["a", ""]}, "prompt"),
     ({"suffix": "end"}, "suffix"),
     ({"best_of": 3}, "best_of"),
+    # an echoed prompt is checked as a generated one, its error the same
+    ({"prompt": [[]], "echo": True}, "prompt"),
+    ({"prompt": "", "echo": True, "max_tokens": 0}, "prompt"),
+    ({"prompt": [10**7], "echo": True, "logprobs": 1}, "prompt"),
 ])
 def test_bad_completions_request(client: openai.OpenAI, kwargs: dict[str, Any], param: str) -> None:
     args: dict[str, Any] = {"model": NAME, "prompt": "Hi", "max_tokens": 4}
     args.update(kwargs)
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(**args)
-    assert info.value.body["param"] == param
+    assert (info.value.body["param"], info.value.body["code"]) == (param, "invalid_value"), info.value.body
 
 
 def test_unknown_model_is_404_model_not_found(client: openai.OpenAI) -> None:
