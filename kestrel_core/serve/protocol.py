@@ -45,8 +45,8 @@ from kestrel_core.model.grammar import json_schema_grammar
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kestrel_core.serve.errors import APIError, param_path
 from kestrel_core.serve.guided import GUIDED_FIELDS, REFUSED_FIELDS, guided_grammar
-from kestrel_core.serve.tool_grammar import call_grammar
-from kestrel_core.serve.tools import HARMONY, UNKNOWN, ToolCalls
+from kestrel_core.serve.tool_grammar import forced_call_grammar
+from kestrel_core.serve.tools import UNKNOWN, ToolCalls
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
 MAX_CHOICES = 128  # n, at most (OpenAI's bound)
@@ -453,14 +453,12 @@ class ChatCompletionRequest(_Generation):
                 raise InvalidRequest("a forced tool call and a JSON response_format cannot both shape the answer",
                                      param="response_format")
             name = None if isinstance(self.tool_choice, str) else self.tool_choice.function.name
-            functions = [t.function.model_dump(exclude_none=True) for t in self.tools
-                         if name is None or t.function.name == name]
+            functions = {k: t.function.model_dump(exclude_none=True) for k, t in enumerate(self.tools)
+                         if name is None or t.function.name == name}
             if not functions:
                 raise InvalidRequest(f"tool_choice names the function {name!r}, which is not one of the tools",
                                      param="tool_choice")
-            if tools.fmt == HARMONY:  # one call a turn, in harmony's shape
-                return harmony_answers.call_grammar(functions)
-            return call_grammar(tools.fmt, functions, tools.parallel and name is None, control_ids)
+            return forced_call_grammar(tools.fmt, functions, tools.parallel and name is None, control_ids)
         if kind == "text":
             return None
         if kind == "json_object":

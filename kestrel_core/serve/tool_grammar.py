@@ -10,7 +10,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kestrel_core.model.grammar import lark_grammar, lark_json
+from kestrel_core.errors import InvalidRequest
+from kestrel_core.model import harmony
+from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, lark_json
 from kestrel_core.serve.tools import (
     APRIEL,
     APRIEL_CLOSE,
@@ -26,6 +28,7 @@ from kestrel_core.serve.tools import (
     FENCE,
     GLM,
     GLM_COMPACT,
+    HARMONY,
     HERMES,
     HERMES_CLOSE,
     HERMES_OPEN,
@@ -60,6 +63,23 @@ def _hoisted(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
         return out
 
     return rename(schema), {f"{prefix}{name}": rename(d) for name, d in schema_defs(schema).items()}
+
+
+def forced_call_grammar(
+    fmt: str, functions: Mapping[int, dict[str, Any]], many: bool, control_ids: Mapping[str, int] | None = None
+) -> str:
+    """``call_grammar`` of the ``functions`` (by their places in the request's tools), harmony's where ``fmt`` is
+    harmony. A grammar llguidance refuses names the function whose ``parameters`` it refuses on its own, where one
+    does: the combined grammar's error quotes kestrel's grammar text, which the client never wrote."""
+    listed = list(functions.values())
+    try:
+        if fmt == HARMONY:  # one call a turn, in harmony's shape
+            return harmony.call_grammar(listed)
+        return call_grammar(fmt, listed, many, control_ids)
+    except InvalidRequest as exc:
+        for k, f in functions.items():
+            json_schema_grammar(f.get("parameters") or {"type": "object"}, param=f"tools.[{k}].function.parameters")
+        raise exc from None
 
 
 def call_grammar(

@@ -239,11 +239,17 @@ def test_tool_choice_none_shows_no_tools_and_reads_no_calls(scripted: Scripted, 
      "tools.[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": "city"}}}]},
      "tools.[0].function.parameters"),
+    # a schema the forced call's grammar cannot hold names its tool, not kestrel's grammar text
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}],
+      "tool_choice": "required"}, "tools.[1].function.parameters"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.[1].function.parameters"),
 ])
 def test_what_kestrel_cannot_do_is_a_400(client: openai.OpenAI, kwargs: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**{"model": NAME, "messages": ASK, "tools": [WEATHER], **kwargs})
     assert info.value.body["param"] == param, info.value.body
+    assert "<tool_call>" not in info.value.body["message"]
 
 
 # a template that shows the tools and teaches calls in a format of its own (written for this test)
@@ -282,8 +288,8 @@ def test_a_forced_call_that_cannot_fit_is_refused_before_its_grammar_is_built(
         model_client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiling a client's schema may take seconds: not for a request whose prompt is over the context."""
     built: list[Any] = []
-    real = protocol.call_grammar
-    monkeypatch.setattr(protocol, "call_grammar", lambda *args: built.append(args) or real(*args))
+    real = protocol.forced_call_grammar
+    monkeypatch.setattr(protocol, "forced_call_grammar", lambda *args: built.append(args) or real(*args))
     values = [f"value-{i}" for i in range(20_000)]
     huge = {"type": "function", "function": {"name": "pick", "parameters": {
         "type": "object", "properties": {"v": {"enum": values}}, "required": ["v"]}}}
