@@ -177,9 +177,11 @@ class ChatMessage(RequestBody):
         if value is None and info.data.get("role") not in ("assistant", "tool", "function", None):
             raise ValueError(f"a {info.data.get('role')} message needs content")
         if isinstance(value, list):
-            for part in value:
-                if part.type != "text" or part.text is None:
+            for k, part in enumerate(value):
+                if part.type != "text":
                     raise ValueError(f"only text content parts are supported, got a {part.type!r} part")
+                if part.text is None:
+                    raise ValueError(f"part {k} is a text part without its text")
         return value
 
     def for_template(self, harmony: bool = False, thinking_blocks: bool = False) -> dict[str, Any]:

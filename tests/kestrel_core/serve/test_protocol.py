@@ -91,6 +91,9 @@ def test_validation_errors_name_the_field_the_openai_way() -> None:
         "messages.[0].content"
     assert _validation_param(ChatCompletionRequest, {"messages": [{"role": "user"}]}) == \
         ("messages.[0].content", "messages.[0].content: a user message needs content")
+    assert _validation_param(ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "text"}]}]}) == \
+        ("messages.[0].content", "messages.[0].content: part 1 is a text part without its text")
     assert _validation_param(ChatCompletionRequest, {"messages": HI, "stop": 5}) == \
         ("stop", "stop must be one of: str, list[str]")
     assert _validation_param(ChatCompletionRequest, {})[1] == "messages is required"
