@@ -117,8 +117,9 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
 def _is_type_tag(part: int | str) -> bool:
-    """pydantic names the member of a union it tried in the location: ("stop", "list[str]", 0)."""
-    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
+    """pydantic names the member of a union it tried in the location: ("stop", "list[str]", 0); a model member by
+    its class's name ("NamedToolChoice"), which no field of the APIs' (all lower case) is spelled as."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper())
 
 
 def param_path(loc: Sequence[int | str]) -> str | None:

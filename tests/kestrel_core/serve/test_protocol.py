@@ -97,6 +97,9 @@ def test_validation_errors_name_the_field_the_openai_way() -> None:
     assert _validation_param(ChatCompletionRequest, {"messages": HI, "stop": 5}) == \
         ("stop", "stop must be one of: str, list[str]")
     assert _validation_param(ChatCompletionRequest, {})[1] == "messages is required"
+    # a union with a model member: one field, every member named (not "and 1 more bad field")
+    assert _validation_param(ChatCompletionRequest, {"messages": HI, "tool_choice": "sometimes"}) == \
+        ("tool_choice", "tool_choice must be one of: literal['none','auto','required'], NamedToolChoice")
     assert _validation_param(ChatCompletionRequest, {"messages": HI, "temperature": "0.5"})[0] == "temperature"
     assert _validation_param(ChatCompletionRequest, {"messages": HI, "stream": 1})[0] == "stream"
     assert _validation_param(ChatCompletionRequest, {"messages": HI, "stream": True, "stream_options": {
