@@ -63,8 +63,10 @@ COHERE_NAME, COHERE_ARGUMENTS = "tool_name", "parameters"  # Cohere's formats' k
 COMMAND_R_OPEN, _COMMAND_R_ACTION, FENCE = "Action:", re.compile(r"Action:\s*```(?:json)?\s*"), "```"
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 _SPACE = re.compile(r"\s*")
-# a block, or the last one where its end never comes (as vLLM's qwen3_coder parser reads it)
-_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|\Z)", re.DOTALL)
+# a block, or the last one where its end never comes or is cut short (as vLLM's qwen3_coder parser reads it)
+_CLOSE_START = "|".join(re.escape(HERMES_CLOSE[:k]) for k in range(len(HERMES_CLOSE) - 1, 0, -1))
+_HERMES_BLOCK = re.compile(f"{re.escape(HERMES_OPEN)}(.*?)(?:{re.escape(HERMES_CLOSE)}|(?:{_CLOSE_START})?\\Z)",
+                           re.DOTALL)
 # an invoke's and a parameter's opening (the name or key its group), each running to its closing tag
 _MINIMAX_INVOKE = re.compile(r'<invoke name="([^">\n]+)">')
 _MINIMAX_PARAMETER = re.compile(r'<parameter name="([^">\n]+)">')
@@ -197,8 +199,8 @@ def _cohere_calls(values: list[Any]) -> tuple[ToolCall, ...] | None:
 def _json_blocks(text: str, fmt: str) -> Parsed | None:
     """The calls in hermes' blocks (a call each) or Apriel's and Cohere's (a list of calls each, Cohere's with its
     own keys): each block's JSON read by the JSON decoder, not up to the first closing tag, which a string in the
-    arguments may hold (the call grammar admits it); the last block's closing tag may never come (a stop string or
-    the answer's end cut it: vLLM's hermes parser reads such a call too)."""
+    arguments may hold (the call grammar admits it); the last block's closing tag may never come, or only its start
+    (a stop string or the answer's end cut it: vLLM's hermes parser reads such a call too)."""
     opener, closer = _JSON_BLOCK[fmt]
     listed = fmt in _LIST_BLOCKS
     values, cuts, at = [], [], 0
@@ -208,7 +210,7 @@ def _json_blocks(text: str, fmt: str) -> Parsed | None:
         except ValueError:
             return None
         close = _SPACE.match(text, end).end()
-        if close < len(text) and not text.startswith(closer, close) or listed and not isinstance(value, list):
+        if not closer.startswith(text[close:close + len(closer)]) or listed and not isinstance(value, list):
             return None
         values.extend(value if listed else [value])
         at = min(close + len(closer), len(text))

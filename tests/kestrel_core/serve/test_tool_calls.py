@@ -189,10 +189,13 @@ def test_a_streamed_call(scripted: Scripted, client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_call_cut_before_its_closing_tag_is_a_call(scripted: Scripted, client: openai.OpenAI, stream: bool) -> None:
+@pytest.mark.parametrize("cut", [len("</tool_call>"), len("all>")], ids=["before the tag", "inside the tag"])
+def test_a_call_cut_before_its_closing_tag_is_a_call(scripted: Scripted, client: openai.OpenAI, stream: bool,
+                                                     cut: int) -> None:
     """A request that stops on "</tool_call>" (the scripted answer is cut there, as the engine cuts a stop
-    string) gets its call, whole and streamed."""
-    scripted.answers.append("Let me look.\n" + PARIS.removesuffix("</tool_call>"))
+    string), or whose answer ends inside that tag (max_tokens), gets its call, whole and streamed."""
+    assert PARIS.endswith("</tool_call>")
+    scripted.answers.append("Let me look.\n" + PARIS[:-cut])
     reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], stop=["</tool_call>"],
                                            stream=stream)
     _, content, calls, reason = reply_parts(reply, stream)

@@ -182,6 +182,7 @@ XML_CASES = [
      Parsed("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", ())),  # Hermes' JSON: not this format
     # a block whose </tool_call> never comes, and Qwen3-Coder's functions without their blocks (vLLM's qwen3_coder)
     (_xml("f", i="3").removesuffix("</tool_call>"), Parsed(None, _calls(("f", {"i": 3})))),
+    (_xml("f", i="3").removesuffix("ll>"), Parsed(None, _calls(("f", {"i": 3})))),  # cut inside it (max_tokens)
     ("Let me look.\n" + _bare("f", i="3") + "\n" + _bare("g"),
      Parsed("Let me look.", _calls(("f", {"i": 3}), ("g", {})))),
     (_bare("f", i="3") + " and more", Parsed(_bare("f", i="3") + " and more", ())),
@@ -217,6 +218,7 @@ GLM_CASES = [
     ("Two calls:\n" + _glm("f", i="1") + "\n" + _glm("g"), Parsed("Two calls:", _calls(("f", {"i": 1}), ("g", {})))),
     ("<tool_call>f\nloose text\n</tool_call>", Parsed("<tool_call>f\nloose text\n</tool_call>", ())),
     (_glm("f", i="1").removesuffix("</tool_call>"), Parsed(None, _calls(("f", {"i": 1})))),  # its end never came
+    (_glm("f", i="1").removesuffix("call>"), Parsed(None, _calls(("f", {"i": 1})))),  # or only its start
     ("<tool_call>\n<arg_key>s</arg_key><arg_value>x</arg_value></tool_call>",  # no name
      Parsed("<tool_call>\n<arg_key>s</arg_key><arg_value>x</arg_value></tool_call>", ())),
     # a key ends at its first </arg_key>: text after it is not more of the key
