@@ -181,6 +181,49 @@ def test_two_models_are_served_and_named() -> None:
     assert "Traceback" not in "\n".join(serve.seen)
 
 
+# serve() with uvicorn's loop left out: what the collector holds as the server would start, in a process of
+# its own, since the freeze is the interpreter's
+FROZEN_WHILE_SERVING = """
+import gc, json, sys
+from kestrel_core.cli import main
+from kestrel_core.serve import server
+
+seen = {}
+
+def run_forever(self):
+    walked = {id(o) for o in gc.get_objects()}  # every object the collector walks; the frozen ones are not listed
+    seen["engines"] = [gc.is_tracked(ae.engine) and id(ae.engine) not in walked for ae in self.async_engines]
+    seen["app"] = id(self.config.app) not in walked
+    return 0
+
+server.KestrelServer.run_forever = run_forever
+seen["status"] = main(["serve", "--port", "0", "--backend", "cpu", *sys.argv[1:]])
+seen["frozen_after"] = gc.get_freeze_count()
+print(json.dumps(seen))
+"""
+
+
+def test_the_served_models_are_out_of_the_collectors_walks_while_serving() -> None:
+    """Every model (two here) and the app, loaded before the server starts and alive as long as it, are in the
+    collector's permanent generation while it serves (server.frozen_heap), and the heap is unfrozen once serve()
+    returns."""
+    models = ROOT / "tests" / "fixtures" / "models"
+    done = subprocess.run([sys.executable, "-c", FROZEN_WHILE_SERVING, "--model", str(models / "tiny-qwen3"),
+                           "--model", str(models / "tiny-llama")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen == {"engines": [True, True], "app": True, "status": 0, "frozen_after": 0}
+
+
+def test_a_heap_the_caller_froze_stays_frozen() -> None:
+    """A program that froze its own heap before serving finds it frozen still afterwards (in a process of its own)."""
+    script = ("import gc\nfrom kestrel_core.serve.server import frozen_heap\ngc.freeze()\nwith frozen_heap():\n"
+              "    pass\nprint(gc.get_freeze_count() > 0)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["True"], done.stderr
+
+
 def test_stacked_adapters_are_served_under_a_name_that_names_them(tmp_path: Path) -> None:
     """``serve`` takes --lora as ``run`` does, repeated: the model it serves is the base with both adapters."""
     from ..model.lora_adapters import peft_adapter
