@@ -1,0 +1,171 @@
+"""CPython's full (generation 2) garbage collections in a `kestrel serve` process, and what they do to other
+clients' streams while large request bodies come in.
+
+    python benchmarks/serve_gc.py [--runs 2] [--streams 2] [--tokens 60] [--body prompts:1000000] [--model PATH]
+
+Each run starts a real ``kestrel serve`` (the default model on the CPU, ``--port 0``) in a process of its own,
+alternately as it is (``frozen``: its startup heap frozen, server.frozen_heap) and with that freeze left out
+(``unfrozen``). Once it listens, one client process streams ``--streams`` greedy completions of ``--tokens`` tokens
+(serve_load.py's streams) while another posts one large body after another until they end: ``prompts:N``, a
+completions request of N one-token prompts (4 MB for a million; the server parses and validates it, millions of
+Python objects, then refuses it: at most 128 prompts), or ``messages:N``, a chat request of N short messages
+(3 MB for 100,000; refused once rendered and tokenized: longer than the model's context); ``none``: no such body.
+The server's process records each collection it runs (gc.callbacks: start, end, generation); the figures are
+the full collections while the streams ran, the gaps between streamed chunks, and the objects the collector
+tracked once the model was loaded and warmed up and the app built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SERVER = '''
+import contextlib, gc, json, sys, time
+mode, record = sys.argv[1], sys.argv[2]
+sys.argv = ["kestrel", *sys.argv[3:]]
+collections, started, heap = [], [0.0], {}
+
+def on_gc(phase, info):
+    if phase == "start":
+        started[0] = time.perf_counter()
+    else:
+        collections.append((started[0], time.perf_counter() - started[0], info["generation"]))
+
+from kestrel_core.serve import server
+frozen_heap = server.frozen_heap
+
+@contextlib.contextmanager
+def counted():
+    with frozen_heap() if mode == "frozen" else contextlib.nullcontext():
+        heap.update(tracked=len(gc.get_objects()) + gc.get_freeze_count(), frozen=gc.get_freeze_count())
+        gc.callbacks.append(on_gc)
+        yield
+
+server.frozen_heap = counted
+from kestrel_core.entry import main
+try:
+    status = main()
+finally:
+    with open(record, "w") as f:
+        json.dump({"collections": collections, **heap}, f)
+sys.exit(status)
+'''
+
+
+def _body(spec: str) -> tuple[str, bytes]:
+    """``--body``'s route and JSON body."""
+    kind, _, count = spec.partition(":")
+    n = int(count or 0)
+    if kind == "prompts":
+        return "/v1/completions", json.dumps({"model": "bench", "prompt": [[1]] * n, "max_tokens": 1}).encode()
+    if kind == "messages":
+        messages = [{"role": "user", "content": "hi"}] * n
+        return "/v1/chat/completions", json.dumps({"model": "bench", "messages": messages, "max_tokens": 1}).encode()
+    if kind == "none":
+        return "", b""
+    raise SystemExit(f"--body: prompts:N, messages:N or none, not {spec!r}")
+
+
+def _bodies(port: int, path: str, body: bytes, stop: Any, answers: Any) -> None:
+    """Posts ``body`` to ``path``, one request after another, until ``stop`` is set; puts the answers' statuses
+    on ``answers``."""
+    import httpx
+
+    statuses = []
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+        while not stop.is_set():
+            statuses.append(client.post(path, content=body, headers={"content-type": "application/json"}).status_code)
+    answers.put(statuses)
+
+
+def _start(mode: str, record: str, model: str | None) -> tuple[subprocess.Popen[str], int]:
+    """A `kestrel serve` process in ``mode`` and the port it listens on."""
+    cmd = [sys.executable, "-c", SERVER, mode, record, "serve", "--port", "0", "--backend", "cpu",
+           "--served-model-name", "bench", *(["--model", model] if model else [])]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        if found:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # the rest, so the pipe never fills
+            return proc, int(found.group(1))
+    raise SystemExit(f"kestrel serve ({mode}) ended before it listened: status {proc.wait()}")
+
+
+def run(mode: str, args: argparse.Namespace, clients: Any) -> dict[str, Any]:
+    from serve_load import _client
+
+    path, body = _body(args.body)
+    spawn = multiprocessing.get_context("spawn")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 10000, 16).tolist() for _ in range(args.streams)]
+    with tempfile.TemporaryDirectory() as tmp:
+        record = str(Path(tmp) / "gc.json")
+        proc, port = _start(mode, record, args.model)
+        try:
+            clients.submit(_client, "streams", port, "bench", prompts[:1], 4, 0.0).result()  # warm: client, server
+            stop, answers = spawn.Event(), spawn.Queue()
+            if body:
+                spawn.Process(target=_bodies, args=(port, path, body, stop, answers), daemon=True).start()
+            start = time.perf_counter() + 1.0
+            streams = clients.submit(_client, "streams", port, "bench", prompts, args.tokens, start).result()
+            end = time.perf_counter()
+            stop.set()
+            statuses = answers.get(timeout=600) if body else []
+        finally:
+            proc.terminate()
+            proc.wait(120)
+        with open(record) as f:
+            rec = json.load(f)
+    gaps = np.concatenate([np.diff(s) for _, s, _ in streams["results"] if len(s) > 1]) * 1e3
+    full = [d * 1e3 for t, d, g in rec["collections"] if g == 2 and start <= t <= end]
+    young = [d * 1e3 for t, d, g in rec["collections"] if g < 2 and start <= t <= end]
+    return {"mode": mode, "tracked": rec["tracked"], "frozen": rec["frozen"], "bodies": len(statuses),
+            "statuses": sorted(set(statuses)), "seconds": end - start, "full": len(full),
+            "full_ms_total": sum(full), "full_ms_max": max(full, default=0.0), "young_ms_max": max(young, default=0.0),
+            "gap_ms_p50": float(np.percentile(gaps, 50)), "gap_ms_p99": float(np.percentile(gaps, 99)),
+            "gap_ms_max": float(gaps.max())}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="the model served (default: kestrel's default model)")
+    p.add_argument("--runs", type=int, default=2, help="runs of each mode, alternating")
+    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=60)
+    p.add_argument("--body", default="prompts:1000000", help="prompts:N, messages:N or none")
+    p.add_argument("--json", default=None, help="write the figures here too")
+    args = p.parse_args()
+    _body(args.body)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    out = []
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+        for i in range(2 * args.runs):
+            fig = run(("unfrozen", "frozen")[i % 2], args, clients)
+            out.append(fig)
+            print(f"{fig['mode']:>8}: {fig['tracked']} objects tracked at startup, {fig['frozen']} frozen; "
+                  f"{fig['bodies']} bodies (answered {fig['statuses']}) in {fig['seconds']:.1f} s; full collections: "
+                  f"{fig['full']}, {fig['full_ms_total']:.0f} ms in all, the longest {fig['full_ms_max']:.0f} ms "
+                  f"(young: {fig['young_ms_max']:.0f} ms); gaps between chunks: p50 {fig['gap_ms_p50']:.0f}, "
+                  f"p99 {fig['gap_ms_p99']:.0f}, max {fig['gap_ms_max']:.0f} ms", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
