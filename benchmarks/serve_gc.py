@@ -10,9 +10,11 @@ alternately as it is (``frozen``: its startup heap frozen, server.frozen_heap) a
 completions request of N one-token prompts (4 MB for a million; the server parses and validates it, millions of
 Python objects, then refuses it: at most 128 prompts), or ``messages:N``, a chat request of N short messages
 (3 MB for 100,000; refused once rendered and tokenized: longer than the model's context); ``none``: no such body.
-The server's process records each collection it runs (gc.callbacks: start, end, generation); the figures are
-the full collections while the streams ran, the gaps between streamed chunks, and the objects the collector
-tracked once the model was loaded and warmed up and the app built.
+The server's process records each collection it runs (gc.callbacks: its start and end, the CPU time of the thread
+it ran in, its generation); the figures are the full collections from the streams' start to the end of the body
+that was running when they ended (their CPU times too: the wall times grow with whatever else the machine runs),
+the gaps between streamed chunks, and the objects the collector tracked once the models were loaded and warmed up
+and the app built.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ SERVER = '''
 import contextlib, gc, json, sys, time
 mode, record = sys.argv[1], sys.argv[2]
 sys.argv = ["kestrel", *sys.argv[3:]]
-collections, started, heap = [], [0.0], {}
+collections, started, heap = [], [0.0, 0.0], {}
 
-def on_gc(phase, info):
+def on_gc(phase, info):  # a collection runs in the thread that set it off: its CPU time is the thread's
     if phase == "start":
-        started[0] = time.perf_counter()
+        started[:] = time.perf_counter(), time.thread_time()
     else:
-        collections.append((started[0], time.perf_counter() - started[0], info["generation"]))
+        collections.append((started[0], time.perf_counter() - started[0], time.thread_time() - started[1],
+                            info["generation"]))
 
 from kestrel_core.serve import server
 frozen_heap = server.frozen_heap
@@ -70,25 +73,31 @@ def _body(spec: str) -> tuple[str, bytes]:
     kind, _, count = spec.partition(":")
     n = int(count or 0)
     if kind == "prompts":
-        return "/v1/completions", json.dumps({"model": "bench", "prompt": [[1]] * n, "max_tokens": 1}).encode()
+        return "/v1/completions", _json({"model": "bench", "prompt": [[1]] * n, "max_tokens": 1})
     if kind == "messages":
-        messages = [{"role": "user", "content": "hi"}] * n
-        return "/v1/chat/completions", json.dumps({"model": "bench", "messages": messages, "max_tokens": 1}).encode()
+        return "/v1/chat/completions", _json({"model": "bench", "messages": [{"role": "user", "content": "hi"}] * n,
+                                              "max_tokens": 1})
     if kind == "none":
         return "", b""
     raise SystemExit(f"--body: prompts:N, messages:N or none, not {spec!r}")
 
 
-def _bodies(port: int, path: str, body: bytes, stop: Any, answers: Any) -> None:
-    """Posts ``body`` to ``path``, one request after another, until ``stop`` is set; puts the answers' statuses
-    on ``answers``."""
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _bodies(port: int, path: str, body: bytes, start_at: float, stop: Any, answers: Any) -> None:
+    """Posts ``body`` to ``path``, one request after another, from ``start_at`` until ``stop`` is set (times on
+    perf_counter's clock, which every process of the machine shares); puts the answers' statuses and when the last
+    one came on ``answers``."""
     import httpx
 
+    time.sleep(max(0.0, start_at - time.perf_counter()))
     statuses = []
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
         while not stop.is_set():
             statuses.append(client.post(path, content=body, headers={"content-type": "application/json"}).status_code)
-    answers.put(statuses)
+    answers.put((statuses, time.perf_counter()))
 
 
 def _start(mode: str, record: str, model: str | None) -> tuple[subprocess.Popen[str], int]:
@@ -118,24 +127,27 @@ def run(mode: str, args: argparse.Namespace, clients: Any) -> dict[str, Any]:
         try:
             clients.submit(_client, "streams", port, "bench", prompts[:1], 4, 0.0).result()  # warm: client, server
             stop, answers = spawn.Event(), spawn.Queue()
+            start = time.perf_counter() + 2.0  # the sender's process is up
             if body:
-                spawn.Process(target=_bodies, args=(port, path, body, stop, answers), daemon=True).start()
-            start = time.perf_counter() + 1.0
+                spawn.Process(target=_bodies, args=(port, path, body, start, stop, answers), daemon=True).start()
             streams = clients.submit(_client, "streams", port, "bench", prompts, args.tokens, start).result()
             end = time.perf_counter()
             stop.set()
-            statuses = answers.get(timeout=600) if body else []
+            statuses, last = answers.get(timeout=600) if body else ([], end)
+            end = max(end, last)  # the collections of whole bodies
         finally:
             proc.terminate()
             proc.wait(120)
         with open(record) as f:
             rec = json.load(f)
     gaps = np.concatenate([np.diff(s) for _, s, _ in streams["results"] if len(s) > 1]) * 1e3
-    full = [d * 1e3 for t, d, g in rec["collections"] if g == 2 and start <= t <= end]
-    young = [d * 1e3 for t, d, g in rec["collections"] if g < 2 and start <= t <= end]
+    full = [(d * 1e3, c * 1e3) for t, d, c, g in rec["collections"] if g == 2 and start <= t <= end]
+    young = [d * 1e3 for t, d, _, g in rec["collections"] if g < 2 and start <= t <= end]
     return {"mode": mode, "tracked": rec["tracked"], "frozen": rec["frozen"], "bodies": len(statuses),
             "statuses": sorted(set(statuses)), "seconds": end - start, "full": len(full),
-            "full_ms_total": sum(full), "full_ms_max": max(full, default=0.0), "young_ms_max": max(young, default=0.0),
+            "full_ms_total": sum(d for d, _ in full), "full_ms_max": max((d for d, _ in full), default=0.0),
+            "full_cpu_ms_total": sum(c for _, c in full), "full_cpu_ms_max": max((c for _, c in full), default=0.0),
+            "young_ms_max": max(young, default=0.0),
             "gap_ms_p50": float(np.percentile(gaps, 50)), "gap_ms_p99": float(np.percentile(gaps, 99)),
             "gap_ms_max": float(gaps.max())}
 
@@ -156,11 +168,13 @@ def main() -> int:
         for i in range(2 * args.runs):
             fig = run(("unfrozen", "frozen")[i % 2], args, clients)
             out.append(fig)
-            print(f"{fig['mode']:>8}: {fig['tracked']} objects tracked at startup, {fig['frozen']} frozen; "
-                  f"{fig['bodies']} bodies (answered {fig['statuses']}) in {fig['seconds']:.1f} s; full collections: "
-                  f"{fig['full']}, {fig['full_ms_total']:.0f} ms in all, the longest {fig['full_ms_max']:.0f} ms "
-                  f"(young: {fig['young_ms_max']:.0f} ms); gaps between chunks: p50 {fig['gap_ms_p50']:.0f}, "
-                  f"p99 {fig['gap_ms_p99']:.0f}, max {fig['gap_ms_max']:.0f} ms", flush=True)
+            per = max(fig["bodies"], 1)
+            print(f"{fig['mode']:>8}: {fig['tracked']} objects tracked at startup ({fig['frozen']} frozen); "
+                  f"{fig['bodies']} bodies in {fig['seconds']:.0f} s (answered {fig['statuses']}); "
+                  f"{fig['full']} full collections, {fig['full_cpu_ms_total'] / per:.0f} ms CPU a body "
+                  f"({fig['full_ms_total'] / per:.0f} ms wall), the longest {fig['full_cpu_ms_max']:.0f} ms CPU "
+                  f"({fig['full_ms_max']:.0f} wall; young: {fig['young_ms_max']:.0f}); gaps between chunks p50 "
+                  f"{fig['gap_ms_p50']:.0f}, p99 {fig['gap_ms_p99']:.0f}, max {fig['gap_ms_max']:.0f} ms", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

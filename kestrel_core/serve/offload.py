@@ -10,7 +10,8 @@ same way; ``json_answer`` builds and writes an answer in a worker thread.
 A thread frees the loop only where the GIL changes hands: C code such as the JSON decoder and encoder holds it for
 a whole call, so a large document is read with a Python hook for each object and number and written in calls of
 about ``JSON_STEP`` values, and the loop's thread takes the GIL between them. What no thread avoids: CPython's full
-garbage collections, which pause every thread, last longer the more objects a body or an answer is made of.
+garbage collections, which pause every thread, last longer the more objects a body or an answer is made of (those
+of the server's startup are frozen out of them: server.frozen_heap).
 """
 
 from __future__ import annotations

@@ -255,12 +255,12 @@ def warm_up(async_engine: AsyncEngine) -> None:
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """Every object alive on entry (the models, their tokenizers, the app, the modules) moved to the collector's
-    permanent generation, which no collection walks, until the exit. CPython's full collections run while
-    every thread waits, for as long as it takes to walk every object the collector tracks: ~170,000 once the
-    default model is loaded, warmed up and its app built, 70-110 ms a collection (docs/performance.md), and a
-    large request body sets off one after another. Objects alive at startup live as long as the server, so
-    none is garbage that a frozen heap keeps; those made later are collected as ever. The heap is unfrozen on
-    the way out unless the caller had frozen one: an embedding program's collector is left as it was."""
+    permanent generation, which no collection walks, until the exit. A full collection stops every thread for as
+    long as it takes to walk what it reaches: ~180,000 objects once the default model is loaded and warmed up and
+    its app built, 53-62 ms on the CPU VM, and a request body of millions of objects sets off one after another
+    (docs/performance.md). Objects alive at startup mostly live as long as the server (a cycle of them that dies
+    sooner waits for the exit); those made later are collected as ever. The heap is unfrozen on the way out unless
+    the caller had frozen one: an embedding program's collector is left as it was."""
     gc.collect()  # garbage frozen now would be kept for good
     ours = gc.get_freeze_count() == 0
     gc.freeze()
