@@ -261,7 +261,7 @@ def frozen_heap() -> Iterator[None]:
     (docs/performance.md). Objects alive at startup mostly live as long as the server (a cycle of them that dies
     sooner waits for the exit); those made later are collected as ever. The heap is unfrozen on the way out unless
     the caller had frozen one: an embedding program's collector is left as it was."""
-    gc.collect()  # garbage frozen now would be kept for good
+    gc.collect()  # garbage frozen now would stay until the exit
     ours = gc.get_freeze_count() == 0
     gc.freeze()
     try:
