@@ -7,7 +7,8 @@ process's unraisable hook hands such an interrupt back to the main thread instea
 "interrupted" (exit 130). Native code may also drop the exception without reporting it anywhere
 (``PyObject_HasAttr`` and ``PyErr_Clear`` in extension modules do), so the SIGINT handler notes every
 interrupt, and a command that returns after one still ends as "interrupted". Once interrupted, the errors of
-objects torn down halfway by the interrupt (llvmlite's ``ObjectRef.__del__``) are not printed.
+objects torn down halfway by the interrupt (llvmlite's ``ObjectRef.__del__``) are not printed, and an error
+the CLI's modules raise while they load is the interrupt's too.
 """
 
 from __future__ import annotations
@@ -107,15 +108,20 @@ def forget_caught_interrupts() -> None:
 
 
 def main() -> int:
-    open_closed_streams()
-    note_interrupts()
-    redeliver_interrupts()
-    atexit.register(ignore_interrupts_at_exit)
     try:
+        open_closed_streams()
+        note_interrupts()
+        redeliver_interrupts()
+        atexit.register(ignore_interrupts_at_exit)
         from kestrel_core.cli import main as cli_main
 
         code = cli_main()
-    except KeyboardInterrupt:  # while the CLI's modules load
+    except KeyboardInterrupt:  # while the guard is set up or the CLI's modules load
+        code = INTERRUPTED_EXIT
+        print("interrupted", file=sys.stderr)
+    except Exception:  # an interrupt inside an extension's import becomes an ImportError (numpy's PyCapsule_Import)
+        if not _interrupts:
+            raise
         code = INTERRUPTED_EXIT
         print("interrupted", file=sys.stderr)
     forget_caught_interrupts()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def _interrupt_once_imported(argv: list[str], module: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """Start ``python -X importtime`` with ``argv`` and send SIGINT as soon as ``module`` has been imported:
@@ -83,10 +85,10 @@ sys.exit(entry.main())
 """
 
 
-def _python_m(source: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _python_m(source: str, tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "started_command.py").write_text(source)
     return subprocess.run(
-        [sys.executable, "-m", "started_command"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "started_command", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
 
 
@@ -103,3 +105,69 @@ def test_a_ctrl_c_after_the_command_ended_keeps_its_exit_status(tmp_path: Path) 
     instead of being killed by the signal (-2)."""
     done = _python_m(INTERRUPTED_AFTER_THE_END, tmp_path)
     assert (done.returncode, done.stdout, done.stderr) == (0, "done\n", "")
+
+
+INTERRUPTED_WHILE_THE_GUARD_IS_SET_UP = """
+import os, signal, sys, time
+import kestrel_core.cli as cli
+from kestrel_core import entry
+
+step = getattr(entry, sys.argv[1])
+
+
+def interrupted_step():
+    step()
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+
+
+setattr(entry, sys.argv[1], interrupted_step)
+cli.main = lambda: print("ran") or 0
+sys.exit(entry.main())
+"""
+
+
+@pytest.mark.parametrize("step", ["open_closed_streams", "note_interrupts", "redeliver_interrupts"])
+def test_a_ctrl_c_while_the_guard_is_set_up_is_interrupted(step: str, tmp_path: Path) -> None:
+    """A SIGINT right after any step of the entry point's own setup: "interrupted", exit 130, and the command does
+    not run."""
+    done = _python_m(INTERRUPTED_WHILE_THE_GUARD_IS_SET_UP, tmp_path, step)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", "interrupted\n")
+
+
+FAILED_IMPORT_OF_THE_CLI = """
+import builtins, os, signal, sys, time
+from kestrel_core import entry
+
+real_import = builtins.__import__
+
+
+def import_(name, *args, **kwargs):
+    if name == "kestrel_core.cli":
+        cause = None
+        try:
+            if sys.argv[1:] == ["interrupted"]:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+        except KeyboardInterrupt as exc:  # as numpy's C extension reports a SIGINT in its import of datetime
+            cause = exc
+        raise ImportError('PyCapsule_Import could not import module "datetime"') from cause
+    return real_import(name, *args, **kwargs)
+
+
+builtins.__import__ = import_
+sys.exit(entry.main())
+"""
+
+
+def test_an_import_error_an_interrupt_left_is_interrupted(tmp_path: Path) -> None:
+    """A SIGINT that an extension module's import turns into an ImportError while the CLI's modules load:
+    "interrupted", exit 130, not the ImportError's traceback."""
+    done = _python_m(FAILED_IMPORT_OF_THE_CLI, tmp_path, "interrupted")
+    assert (done.returncode, done.stderr) == (130, "interrupted\n")
+
+
+def test_an_import_error_without_an_interrupt_is_reported(tmp_path: Path) -> None:
+    """An ImportError no interrupt caused is the bug it is: its traceback, not "interrupted"."""
+    done = _python_m(FAILED_IMPORT_OF_THE_CLI, tmp_path)
+    assert done.returncode == 1 and "ImportError: PyCapsule_Import" in done.stderr, (done.returncode, done.stderr)
