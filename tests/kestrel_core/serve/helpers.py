@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,6 +20,7 @@ from kestrel_core.serve.protocol import ChatCompletionRequest
 from kestrel_core.serve.server import KestrelServer, build_server
 
 HI = [{"role": "user", "content": "Hi"}]
+HANG_GUARD_S = 300.0  # how long a wait may last before the test calls it a hang: a guard, never a bound it checks
 
 
 class Letters:
@@ -46,15 +48,40 @@ def running_server(async_engine: Any, model_name: str, api_key: str | None = Non
     thread = threading.Thread(target=server.run_forever, name="kestrel-test-server", daemon=True)
     thread.start()
     try:
-        assert server.wait_started(30), "the test server did not start within 30 s"
+        assert server.wait_started(HANG_GUARD_S), f"the test server did not start within {HANG_GUARD_S:.0f} s"
         yield server
     finally:
         server.request_shutdown()
-        thread.join(30)
-        assert not thread.is_alive(), "the test server did not stop within 30 s"
+        thread.join(HANG_GUARD_S)
+        assert not thread.is_alive(), f"the test server did not stop within {HANG_GUARD_S:.0f} s"
 
 
-def openai_client(server: KestrelServer, api_key: str = "unused", timeout: float = 60) -> openai.OpenAI:
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for ``condition``, failing only past HANG_GUARD_S (``what``: the condition, for the failure)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {HANG_GUARD_S:.0f} s"
+        time.sleep(0.02)
+
+
+def wait_idle(ae: AsyncEngine) -> None:
+    """Until nothing runs or waits in ``ae``."""
+    wait_until(lambda: not (ae.num_running or ae.active or ae.num_waiting),
+               f"idle (running={ae.num_running} active={ae.active} waiting={ae.num_waiting})")
+
+
+@contextmanager
+def ending_aborted(ae: AsyncEngine, sequences: int = 1) -> Iterator[None]:
+    """Around a client leaving its answer: once ``ae`` is idle again, its ``sequences`` ended aborted and nothing
+    ended otherwise (an answer that ran to its end, however soon, ends "length")."""
+    before = dict(ae.counters.finished)
+    yield
+    wait_idle(ae)
+    ended = {k: n - before.get(k, 0) for k, n in ae.counters.finished.items() if n != before.get(k, 0)}
+    assert ended == {"abort": sequences}, ended
+
+
+def openai_client(server: KestrelServer, api_key: str = "unused", timeout: float = HANG_GUARD_S) -> openai.OpenAI:
     """The official client for ``server``, no retries."""
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
@@ -67,7 +94,7 @@ def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None
     hdrs.update(headers or {})
     req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
     try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
+        with urllib.request.urlopen(req, timeout=HANG_GUARD_S) as resp:
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), exc.read()

@@ -4,7 +4,6 @@ OpenAI answers (greedy on tiny-qwen3); tool use and thinking from scripted answe
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import Scripted, http, running_server
+from .helpers import Scripted, http, running_server, wait_until
 from .test_tool_calls import PARIS, THINKING_TEMPLATE, WEATHER
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
@@ -115,10 +114,8 @@ def test_a_client_that_leaves_a_stream_frees_its_sequence(an: anthropic.Anthropi
         for _ in range(4):
             next(events)
         assert async_engine.num_running == 1
-    deadline = time.monotonic() + 3
-    while async_engine.num_running or engine.pool.free_blocks != engine.pool.num_blocks:
-        assert time.monotonic() < deadline, "the sequence was not freed"
-        time.sleep(0.02)
+    wait_until(lambda: not async_engine.num_running and engine.pool.free_blocks == engine.pool.num_blocks,
+               "the sequence freed")
 
 
 def test_the_api_key_is_read_from_x_api_key(engine: Any) -> None:

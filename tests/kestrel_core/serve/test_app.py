@@ -27,7 +27,7 @@ from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import Scripted, http, openai_client, running_server
+from .helpers import Scripted, ending_aborted, http, openai_client, running_server, wait_idle
 
 pytestmark = pytest.mark.default_model
 
@@ -62,15 +62,6 @@ def _chat(client: openai.OpenAI, messages: list[dict[str, Any]] = HI, **kw: Any)
     kw.setdefault("max_tokens", 12)
     kw.setdefault("temperature", 0)
     return client.chat.completions.create(model=NAME, messages=messages, **kw)
-
-
-def _wait_idle(ae: AsyncEngine, timeout: float = 3.0) -> float:
-    """Seconds until nothing runs or waits (fails the test past ``timeout``)."""
-    t0 = time.monotonic()
-    while ae.num_running or ae.active or ae.num_waiting:
-        assert time.monotonic() - t0 < timeout, f"still running={ae.num_running} active={ae.active}"
-        time.sleep(0.02)
-    return time.monotonic() - t0
 
 
 # -- models, chat, completions -----------------------------------------------------------------------
@@ -463,8 +454,8 @@ def test_client_disconnect_mid_stream_frees_the_sequence(client: openai.OpenAI, 
     it = iter(stream)
     next(it), next(it), next(it)  # the role chunk and two tokens
     assert async_engine.num_running == 1
-    stream.close()
-    _wait_idle(async_engine, timeout=3.0)  # the 4000 tokens would take half a minute
+    with ending_aborted(async_engine):  # the 4000 tokens would take half a minute
+        stream.close()
     _assert_stopped(async_engine, engine)
 
 
@@ -475,17 +466,16 @@ def test_client_disconnect_mid_stream_frees_every_choice(client: openai.OpenAI, 
     for _ in range(6):  # two role chunks and some tokens
         next(it)
     assert async_engine.num_running == 2
-    stream.close()
-    _wait_idle(async_engine, timeout=3.0)
+    with ending_aborted(async_engine, 2):
+        stream.close()
     _assert_stopped(async_engine, engine)
 
 
 def test_client_disconnect_while_waiting_for_a_whole_answer(server: KestrelServer, async_engine: AsyncEngine,
                                                             engine: Any) -> None:
     short = openai_client(server, timeout=0.5)
-    with pytest.raises(openai.APITimeoutError):  # the client gives up and closes the connection
+    with ending_aborted(async_engine), pytest.raises(openai.APITimeoutError):  # the client gives up and leaves
         _chat(short, max_tokens=4000, extra_body={"ignore_eos": True})
-    _wait_idle(async_engine, timeout=3.0)
     _assert_stopped(async_engine, engine)
 
 
@@ -646,7 +636,7 @@ def test_a_burst_over_capacity_gets_429s(small_server: KestrelServer) -> None:
         results = list(pool.map(one, range(6)))
     assert results.count("ok") >= 1 and results.count("429") >= 1, results
     assert results.count("ok") <= 2, results  # one running plus one waiting
-    _wait_idle(small_server.async_engines[0])
+    wait_idle(small_server.async_engines[0])
 
 
 def test_choices_over_capacity_get_a_400_or_a_429_and_leave_nothing_running(small_server: KestrelServer) -> None:
@@ -663,7 +653,7 @@ def test_choices_over_capacity_get_a_400_or_a_429_and_leave_nothing_running(smal
         _chat(client, n=2, max_tokens=4)
     assert "capacity" in info.value.body["message"]
     busy.close()
-    _wait_idle(small_server.async_engines[0], timeout=3.0)
+    wait_idle(small_server.async_engines[0])
     assert len(_chat(client, n=2, max_tokens=4).choices) == 2  # two fit
 
 

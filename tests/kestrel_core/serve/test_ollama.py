@@ -8,7 +8,6 @@ real templates, prompt and server.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -28,7 +27,7 @@ from kestrel_core.serve.ollama import model_of
 from kestrel_core.serve.server import KestrelServer
 
 from ..model.test_fim import fim_engine
-from .helpers import Scripted, http, openai_client, running_server
+from .helpers import Scripted, http, openai_client, running_server, wait_until
 from .test_tool_calls import HARMONY_CALL, HARMONY_TEMPLATE, PARIS, THINKING_TEMPLATE, WEATHER
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
@@ -328,10 +327,8 @@ def test_a_client_that_leaves_a_stream_frees_its_sequence(ol: ollama.Client, asy
     next(stream), next(stream)
     assert async_engine.num_running == 1
     stream.close()
-    deadline = time.monotonic() + 3
-    while async_engine.num_running or engine.pool.free_blocks != engine.pool.num_blocks:
-        assert time.monotonic() < deadline, "the sequence was not freed"
-        time.sleep(0.02)
+    wait_until(lambda: not async_engine.num_running and engine.pool.free_blocks == engine.pool.num_blocks,
+               "the sequence freed")
 
 
 # -- tool calls, thinking, fill in the middle, embeddings ---------------------------------------------
