@@ -21,7 +21,7 @@ from kestrel_core.model.scheduler import Scheduler
 from kestrel_core.model.scoring import Scoring
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import openai_client, running_server
+from .helpers import HANG_GUARD_S, openai_client, running_server, wait_until
 
 NAME = "tiny"
 PROMPT = "The capital of France is Paris, and"
@@ -74,11 +74,7 @@ def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldScoring]:
 
 
 def _all_idle(ae: AsyncEngine, engine: Any) -> bool:
-    for _ in range(200):
-        if not (ae.active or ae.num_running or ae.num_waiting) and engine.pool.free_blocks == engine.pool.num_blocks:
-            return True
-        time.sleep(0.02)
-    return False
+    return not (ae.active or ae.num_running or ae.num_waiting) and engine.pool.free_blocks == engine.pool.num_blocks
 
 
 def test_a_client_that_leaves_during_scoring_stops_it(server: KestrelServer, async_engine: AsyncEngine,
@@ -91,22 +87,14 @@ def test_a_client_that_leaves_during_scoring_stops_it(server: KestrelServer, asy
     with socket.create_connection((host, int(port)), timeout=10) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        assert held.started.wait(10)
-    assert held.closed.wait(10), "the scoring went on after its client left"
-    assert _all_idle(async_engine, engine)
+        assert held.started.wait(HANG_GUARD_S)
+    assert held.closed.wait(HANG_GUARD_S), "the scoring went on after its client left"
+    wait_until(lambda: _all_idle(async_engine, engine), "idle, every block free")
     assert _echo(openai_client(server)).choices[0].logprobs.token_logprobs == alone  # the server goes on
 
 
 def _echo(client: openai.OpenAI) -> Any:
     return client.completions.create(model=NAME, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)
-
-
-def _wait_draining(ae: AsyncEngine) -> None:
-    for _ in range(500):
-        if not ae.accepting:
-            return
-        time.sleep(0.01)
-    raise AssertionError("the server did not start its drain")
 
 
 def test_a_drain_refuses_a_new_scoring_and_waits_for_one_in_flight(engine: Any, held: HeldScoring) -> None:
@@ -121,18 +109,18 @@ def test_a_drain_refuses_a_new_scoring_and_waits_for_one_in_flight(engine: Any, 
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        with running_server(ae, NAME, shutdown_grace_s=60) as server, ThreadPoolExecutor(1) as pool:
+        with running_server(ae, NAME, shutdown_grace_s=HANG_GUARD_S) as server, ThreadPoolExecutor(1) as pool:
             client = openai_client(server)
             in_flight = pool.submit(_echo, client)
-            assert held.started.wait(10)
+            assert held.started.wait(HANG_GUARD_S)
             assert ae.active == 1
             server.request_shutdown()
-            _wait_draining(ae)
+            wait_until(lambda: not ae.accepting, "the drain begun")
             with pytest.raises(openai.InternalServerError) as refused:
                 _echo(client)
             assert refused.value.status_code == 503 and held.scorings == 1  # refused before its scoring began
             held.go_on.set()
-            answer = in_flight.result(30)
+            answer = in_flight.result(HANG_GUARD_S)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -154,10 +142,10 @@ def test_a_scoring_the_engines_stop_ends_is_a_503(engine: Any, held: HeldScoring
     ae = AsyncEngine(engine)
     with running_server(ae, NAME, shutdown_grace_s=0) as server, ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(_echo, openai_client(server))
-        assert held.started.wait(10)
+        assert held.started.wait(HANG_GUARD_S)
         server.request_shutdown()
         with pytest.raises(openai.InternalServerError) as ended:
-            in_flight.result(30)
+            in_flight.result(HANG_GUARD_S)
     assert ended.value.status_code == 503 and ended.value.code == "server_shutting_down"
     assert held.closed.is_set() and engine.pool.free_blocks == engine.pool.num_blocks
 
@@ -170,14 +158,14 @@ def test_a_scoring_takes_a_place_of_the_capacity(engine: Any, held: HeldScoring)
     with running_server(ae, NAME) as server, ThreadPoolExecutor(1) as pool:
         client = openai_client(server)
         in_flight = pool.submit(_echo, client)
-        assert held.started.wait(10)
+        assert held.started.wait(HANG_GUARD_S)
         with pytest.raises(openai.RateLimitError, match="capacity"):
             _echo(client)
         assert held.scorings == 1
         with pytest.raises(openai.RateLimitError, match="capacity"):
             client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2)
         held.go_on.set()
-        assert in_flight.result(30).choices[0].logprobs.token_logprobs == alone
+        assert in_flight.result(HANG_GUARD_S).choices[0].logprobs.token_logprobs == alone
         assert len(_echo(client).choices[0].logprobs.token_logprobs) > 1  # the place is back
 
 
@@ -210,7 +198,7 @@ def test_an_echo_that_generates_keeps_its_place_from_scoring_to_generation(engin
     def held(*args: Any, **kwargs: Any) -> Any:  # a generation that got the place keeps it until released
         if scored.is_set() and not release.is_set():
             entered.set()
-            release.wait(30)
+            release.wait(HANG_GUARD_S)
         return start_batch(*args, **kwargs)
 
     monkeypatch.setattr(engine, "start_batch", held)
@@ -218,16 +206,16 @@ def test_an_echo_that_generates_keeps_its_place_from_scoring_to_generation(engin
         client = openai_client(server)
         echo = pool.submit(client.completions.create, model=NAME, prompt=PROMPT, echo=True, logprobs=1, max_tokens=3)
         try:
-            assert scored.wait(30)
+            assert scored.wait(HANG_GUARD_S)
             other = pool.submit(client.completions.create, model=NAME, prompt=PROMPT, max_tokens=3)
             while not (other.done() or entered.is_set()):
                 time.sleep(0.01)
         finally:
             release.set()
             go.set()
-        answer = echo.result(30).choices[0]
+        answer = echo.result(HANG_GUARD_S).choices[0]
         with pytest.raises(openai.RateLimitError, match="capacity"):
-            other.result(30)
+            other.result(HANG_GUARD_S)
     prompt_tokens = len(engine.tokenizer.encode(PROMPT))
     assert answer.text.startswith(PROMPT) and len(answer.logprobs.token_logprobs) == prompt_tokens + 3
 

@@ -20,7 +20,7 @@ import pytest
 from kestrel_core.errors import KestrelError
 from kestrel_core.serve.server import bind_socket, default_model_name
 
-from .helpers import http
+from .helpers import HANG_GUARD_S, http, wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 URL = re.compile(r"kestrel serve: (http://127\.0\.0\.1:(\d+))/v1 \(model (\S+), backend cpu")
@@ -67,14 +67,15 @@ class _Serve:
                                      stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.put(line.rstrip("\n"))
 
-    def wait_for(self, pattern: re.Pattern[str] | str, timeout: float = 60.0) -> re.Match[str]:
+    def wait_for(self, pattern: re.Pattern[str] | str, timeout: float = HANG_GUARD_S) -> re.Match[str]:
         deadline = time.monotonic() + timeout
         rx = re.compile(pattern) if isinstance(pattern, str) else pattern
         while time.monotonic() < deadline:
@@ -88,9 +89,9 @@ class _Serve:
                 return m
         raise AssertionError(f"no {rx.pattern!r} within {timeout} s: {self.seen}")
 
-    def finish(self, timeout: float = 60.0) -> int:
+    def finish(self, timeout: float = HANG_GUARD_S) -> int:
         code = self.proc.wait(timeout)
-        time.sleep(0.1)
+        self.reader.join(timeout)  # every line read, up to the end of the output
         while not self.lines.empty():
             self.seen.append(self.lines.get())
         return code
@@ -103,21 +104,18 @@ class _Serve:
 
 @pytest.mark.default_model
 def test_sigterm_drains_the_running_stream_then_exits_0() -> None:
-    serve = _Serve("--served-model-name", "smol", "--shutdown-grace", "60")
+    serve = _Serve("--served-model-name", "smol", "--shutdown-grace", str(int(HANG_GUARD_S)))
     try:
         url = serve.wait_for(URL).group(1)
         assert http("GET", f"{url}/health")[0] == 200
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
         stream = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
                                                 max_tokens=150, temperature=0, stream=True,
                                                 extra_body={"ignore_eos": True})
         chunks = iter(stream)
         text = [next(chunks).choices[0].delta.content or "", next(chunks).choices[0].delta.content or ""]
         serve.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10  # the signal lands at the server's next tick
-        while http("GET", f"{url}/health")[0] == 200:
-            assert time.monotonic() < deadline, "still healthy after SIGTERM"
-            time.sleep(0.02)
+        wait_until(lambda: http("GET", f"{url}/health")[0] != 200, "unhealthy after SIGTERM")  # at its next tick
         assert http("GET", f"{url}/health")[0] == 503  # still listening while it drains
         with pytest.raises(openai.InternalServerError) as info:  # new work is refused
             client.completions.create(model="smol", prompt="x", max_tokens=2)
@@ -154,7 +152,7 @@ def test_an_embedding_model_serves_embeddings_then_exits_0_on_sigterm() -> None:
     try:
         url = serve.wait_for(r"kestrel serve: (\S+)/v1 \(model tiny-qwen3-embed, embeddings only \(mean pooling\), "
                              r"backend cpu").group(1)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
         response = client.embeddings.create(model="tiny-qwen3-embed", input=["Paris", "Rome"], dimensions=8)
         assert [len(d.embedding) for d in response.data] == [8, 8]
         serve.proc.send_signal(signal.SIGTERM)
@@ -172,7 +170,7 @@ def test_two_models_are_served_and_named() -> None:
     try:
         url = serve.wait_for(r"kestrel serve: (\S+)/v1 \(model chat, backend cpu, model tiny-qwen3-embed, "
                              r"embeddings only \(last pooling\), backend cpu; max batch").group(1)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
         assert [m.id for m in client.models.list().data] == ["chat", "tiny-qwen3-embed"]
         serve.proc.send_signal(signal.SIGTERM)
         assert serve.finish() == 0
@@ -235,7 +233,7 @@ def test_stacked_adapters_are_served_under_a_name_that_names_them(tmp_path: Path
     name = "tiny-llama-+-LoRA-tiny-llama-lora-+-LoRA-second"
     try:
         url = serve.wait_for(rf"kestrel serve: (\S+)/v1 \(model {re.escape(name)}, backend cpu").group(1)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
         assert [m.id for m in client.models.list().data] == [name]
         serve.proc.send_signal(signal.SIGTERM)
         assert serve.finish() == 0
