@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,8 +18,9 @@ from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.serve.protocol import ChatCompletionRequest
 from kestrel_core.serve.server import KestrelServer, build_server
 
+from ..waits import HANG_GUARD_S, wait_until
+
 HI = [{"role": "user", "content": "Hi"}]
-HANG_GUARD_S = 300.0  # how long a wait may last before the test calls it a hang: a guard, never a bound it checks
 
 
 class Letters:
@@ -54,14 +54,6 @@ def running_server(async_engine: Any, model_name: str, api_key: str | None = Non
         server.request_shutdown()
         thread.join(HANG_GUARD_S)
         assert not thread.is_alive(), f"the test server did not stop within {HANG_GUARD_S:.0f} s"
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Wait for ``condition``, failing only past HANG_GUARD_S (``what``: the condition, for the failure)."""
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {HANG_GUARD_S:.0f} s"
-        time.sleep(0.02)
 
 
 def wait_idle(ae: AsyncEngine) -> None:

@@ -18,7 +18,8 @@ from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import Scripted, http, running_server, wait_until
+from ..waits import wait_until
+from .helpers import Scripted, http, running_server
 from .test_tool_calls import PARIS, THINKING_TEMPLATE, WEATHER
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"

@@ -20,6 +20,7 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.serve.connection import ConnectionLimits
 from kestrel_core.serve.server import KestrelServer, raise_open_file_limit
 
+from ..waits import HANG_GUARD_S
 from .helpers import openai_client, running_server
 
 NAME = "tiny-qwen3"
@@ -78,18 +79,19 @@ def _connect(server: KestrelServer, **options: int) -> socket.socket:
     return sock
 
 
-def _closed_within(sock: socket.socket, seconds: float) -> float | None:
-    """Seconds until the server closed ``sock`` (reading past whatever it sent first), None if it did not."""
-    start = time.monotonic()
-    sock.settimeout(seconds)
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server closed ``sock`` (reading past whatever it sent first) within HANG_GUARD_S: a guard, the
+    server closes no such connection on its own but for the limit under test (uvicorn's keep-alive timeout starts
+    after an answer)."""
+    sock.settimeout(HANG_GUARD_S)
     try:
         while sock.recv(65536):
             pass
     except TimeoutError:
-        return None
+        return False
     except ConnectionResetError:
         pass
-    return time.monotonic() - start
+    return True
 
 
 def _head(extra: bytes = b"") -> bytes:
@@ -98,22 +100,20 @@ def _head(extra: bytes = b"") -> bytes:
 
 def test_a_connection_that_sends_nothing_is_closed(server: KestrelServer) -> None:
     with _connect(server) as sock:
-        waited = _closed_within(sock, 5)
-    assert waited is not None and waited < 3
+        assert _closed(sock)
 
 
 def test_a_head_sent_a_byte_at_a_time_is_closed_at_its_deadline(server: KestrelServer) -> None:
-    """The deadline is the whole head's, not a pause between its bytes."""
+    """The deadline is the whole head's, not a pause between its bytes: a line every 0.1 s is closed before its
+    4 s of lines are all sent."""
     with _connect(server) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\n")
-        start = time.monotonic()
         with pytest.raises(OSError):
             for _ in range(40):
                 sock.sendall(b"X-Slow: 1\r\n")
                 time.sleep(0.1)
                 if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
                     raise ConnectionResetError("closed by the server")
-    assert time.monotonic() - start < 3
 
 
 def _status_of(sock: socket.socket) -> bytes:
@@ -151,8 +151,7 @@ def test_a_body_that_stops_coming_closes_its_connection(server: KestrelServer) -
     with _connect(server) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 5000\r\n\r\n" + b'{"model": "x", "messages": [')
-        waited = _closed_within(sock, 5)
-    assert waited is not None and waited < 3
+        assert _closed(sock)
 
 
 def test_a_body_that_keeps_coming_is_read_to_its_end(server: KestrelServer, paced: Paced) -> None:

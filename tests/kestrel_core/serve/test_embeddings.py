@@ -27,7 +27,8 @@ import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import http, openai_client, running_server, wait_until
+from ..waits import wait_until
+from .helpers import http, openai_client, running_server
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 GOLDEN = np.load(FIXTURES / "tiny-qwen3-embed" / "golden.npz")

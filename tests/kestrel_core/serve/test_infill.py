@@ -24,7 +24,8 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.serve.server import KestrelServer
 
 from ..model.test_fim import QWEN, TINY, fim_engine
-from .helpers import HANG_GUARD_S, Scripted, ending_aborted, running_server
+from ..waits import HANG_GUARD_S
+from .helpers import Scripted, ending_aborted, running_server
 
 NAME = "fim-infill"
 SPECIALS = [*QWEN, "<|repo_name|>"]

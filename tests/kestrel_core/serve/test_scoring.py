@@ -21,7 +21,8 @@ from kestrel_core.model.scheduler import Scheduler
 from kestrel_core.model.scoring import Scoring
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import HANG_GUARD_S, openai_client, running_server, wait_until
+from ..waits import HANG_GUARD_S, wait_until
+from .helpers import openai_client, running_server
 
 NAME = "tiny"
 PROMPT = "The capital of France is Paris, and"

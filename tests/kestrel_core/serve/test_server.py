@@ -20,7 +20,8 @@ import pytest
 from kestrel_core.errors import KestrelError
 from kestrel_core.serve.server import bind_socket, default_model_name
 
-from .helpers import HANG_GUARD_S, http, wait_until
+from ..waits import HANG_GUARD_S, wait_until
+from .helpers import http
 
 ROOT = Path(__file__).resolve().parents[3]
 URL = re.compile(r"kestrel serve: (http://127\.0\.0\.1:(\d+))/v1 \(model (\S+), backend cpu")
