@@ -3,6 +3,7 @@ needs, and a time limit only guards against a hang, never a bound the test check
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -15,3 +16,23 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"{what}: not within {HANG_GUARD_S:.0f} s"
         time.sleep(0.02)
+
+
+def within(seconds: float, call: Callable[[], object]) -> object:
+    """``call()``'s result or exception, failing the test (not hanging it) where it takes longer than
+    ``seconds``."""
+    done: list[object] = []
+    worker = threading.Thread(target=lambda: done.append(_outcome(call)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert done, f"still waiting after {seconds} s"
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return done[0]
+
+
+def _outcome(call: Callable[[], object]) -> object:
+    try:
+        return call()
+    except Exception as exc:  # handed to the test's thread
+        return exc

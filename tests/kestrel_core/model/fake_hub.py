@@ -9,7 +9,7 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -233,23 +233,3 @@ def serving(hub: FakeHub) -> Iterator[FakeHub]:
         hub.release.set()
         server.shutdown()
         server.server_close()
-
-
-def within(seconds: float, call: Callable[[], object]) -> object:
-    """``call()``'s result or exception, failing the test (not hanging it) where it takes longer than
-    ``seconds``."""
-    done: list[object] = []
-    worker = threading.Thread(target=lambda: done.append(_outcome(call)), daemon=True)
-    worker.start()
-    worker.join(seconds)
-    assert done, f"still waiting after {seconds} s"
-    if isinstance(done[0], BaseException):
-        raise done[0]
-    return done[0]
-
-
-def _outcome(call: Callable[[], object]) -> object:
-    try:
-        return call()
-    except Exception as exc:  # handed to the test's thread
-        return exc

@@ -23,7 +23,8 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.hub import Hub, HubSpec
 from kestrel_core.model.hub_files import WORKERS
 
-from .fake_hub import FakeHub, repo_files, serving, within
+from ..waits import within
+from .fake_hub import FakeHub, repo_files, serving
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 # more files than are fetched at a time, each of its own content (a blob of its own)

@@ -19,7 +19,8 @@ import pytest
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.hub import Hub, HubSpec
 
-from .fake_hub import FakeHub, repo_files, serving, within
+from ..waits import HANG_GUARD_S, wait_until, within
+from .fake_hub import FakeHub, repo_files, serving
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 GGUF = (FIXTURES / "tiny-llama.gguf").read_bytes()
@@ -122,23 +123,22 @@ def test_a_slow_download_that_keeps_coming_is_not_cut_off(hub: FakeHub, tmp_path
 @pytest.mark.parametrize(("stall", "at"), [("/api/models/org/tiny", 0), (WEIGHTS, 1000)],
                          ids=["listing", "download"])
 def test_ctrl_c_ends_a_stalled_fetch_at_once(hub: FakeHub, tmp_path: Path, stall: str, at: int) -> None:
-    """`kestrel pull` with the Hub's limits at their defaults (10 s): SIGINT ends it within seconds, exit 130,
+    """`kestrel pull` with the Hub's limits longer than the test waits: SIGINT ends it, not a limit, exit 130,
     "interrupted", and the file it was downloading is nowhere in the cache, not even in part."""
     hub.stalling[stall] = at
+    limit = str(int(HANG_GUARD_S) * 2)
     env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "KESTREL_HOME": str(tmp_path / "k"),
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_ETAG_TIMEOUT": limit, "HF_HUB_DOWNLOAD_TIMEOUT": limit}
     pull = subprocess.Popen([sys.executable, "-m", "kestrel_core.cli", "pull", "org/tiny"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
     try:
-        deadline = time.monotonic() + 60
-        while not hub.stalled and pull.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: bool(hub.stalled) or pull.poll() is not None, "the stall")
         assert hub.stalled and pull.poll() is None, pull.communicate()
         pull.send_signal(signal.SIGINT)
         try:
-            _, stderr = pull.communicate(timeout=5)
+            _, stderr = pull.communicate(timeout=HANG_GUARD_S)
         except subprocess.TimeoutExpired:
-            pytest.fail("kestrel pull still running 5 s after Ctrl-C")
+            pytest.fail(f"kestrel pull still running {HANG_GUARD_S:.0f} s after Ctrl-C")
     finally:
         if pull.poll() is None:
             pull.kill()

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,8 @@ import kestrel_core
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import chat_template
 from kestrel_core.model.tokenizer import Tokenizer
+
+from ..waits import HANG_GUARD_S, within
 
 HOSTILE = {
     "string repetition": "{{ 'a' * 300000000 }}",
@@ -76,10 +77,8 @@ def fast_limits(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_templates_end_in_one_line(name: str, fast_limits: None) -> None:
-    t0 = time.monotonic()
     with pytest.raises(KestrelError) as info:
-        render(HOSTILE[name])
-    assert time.monotonic() - t0 < 5
+        within(HANG_GUARD_S, lambda: render(HOSTILE[name]))
     msg = str(info.value)
     assert msg.startswith("chat template ") and "\n" not in msg
 
@@ -126,10 +125,8 @@ def test_the_sized_helpers_still_work_within_the_limits(small_limits: None) -> N
 def test_the_deadline_stops_slow_work(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chat_template, "MAX_TEMPLATE_STEPS", 10 ** 12)  # only the clock can stop it
     monkeypatch.setattr(chat_template, "MAX_TEMPLATE_SECONDS", 0.2)
-    t0 = time.monotonic()
     with pytest.raises(KestrelError, match="took more than 0.2 s"):
-        render(HOSTILE["nested ranges"])
-    assert time.monotonic() - t0 < 2
+        within(HANG_GUARD_S, lambda: render(HOSTILE["nested ranges"]))
 
 
 def test_output_cap(monkeypatch: pytest.MonkeyPatch) -> None:
