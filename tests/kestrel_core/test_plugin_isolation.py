@@ -23,6 +23,8 @@ from kestrel_core import probe_run
 from kestrel_core.errors import KestrelError
 from kestrel_core.registry import Registry
 
+from .waits import HANG_GUARD_S
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "backends"
 FAULTS = FIXTURES / "faults"
 SITE = FIXTURES / "site"
@@ -55,7 +57,7 @@ def fault_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             "KESTREL_HANG_PROBE_TIMEOUT": "1.5", "KESTREL_MODEL_CACHE": "0"}
 
 
-def kestrel(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def kestrel(args: list[str], env: dict[str, str], timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
@@ -79,14 +81,11 @@ def test_every_fault_ends_as_one_line_and_the_verdicts_are_cached(fault_env: dic
     assert rows["cpu"]["version"] != "6.6.6"
     assert rows["cpu.py"]["status"] == "not_bound" and "the name 'cpu' is reserved" in rows["cpu.py"]["reason"]
     assert rows["hang"]["probe"] == "failed" and rows["os_exit"]["probe"] == "failed"
-    t0 = time.monotonic()
     again = kestrel(["backends", "--json"], fault_env)
-    elapsed = time.monotonic() - t0
     rows2 = _rows(again.stdout)
-    for name in EXPECTED:
+    for name in EXPECTED:  # no probe ran: every verdict is the cache's
         assert rows2[name]["reason"] == rows[name]["reason"]
         assert rows2[name]["probe"].endswith("(cached)"), rows2[name]
-    assert elapsed < 15  # no probe ran (the hang alone took 1.5 s the first time)
     table = kestrel(["backends"], fault_env)
     assert table.returncode == 0 and "segfault" in table.stdout and "Traceback" not in table.stderr
 
@@ -128,10 +127,10 @@ def test_a_real_ctrl_c_still_interrupts(fault_env: dict[str, str]) -> None:
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     try:
-        rc = proc.wait(timeout=30)
+        rc = proc.wait(timeout=HANG_GUARD_S)
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail(f"still running 30 s after the SIGINT; stderr: {proc.stderr.read()[-2000:]}")
+        pytest.fail(f"still running {HANG_GUARD_S:.0f} s after the SIGINT; stderr: {proc.stderr.read()[-2000:]}")
     # 130, or -SIGINT: kestrel run has exited that way after printing "interrupted" since before the probe
     assert rc in (130, -signal.SIGINT) and "interrupted" in proc.stderr.read()
 
