@@ -27,6 +27,7 @@ from kestrel_core.serve.offload import INLINE_BODY_BYTES, json_answer
 from kestrel_core.serve.protocol import ChatCompletionRequest
 from kestrel_core.serve.server import KestrelServer
 
+from ..waits import HANG_GUARD_S
 from .helpers import http, running_server
 
 NAME = "tiny"
@@ -35,7 +36,8 @@ HI = [{"role": "user", "content": "Hi"}]
 
 class Held:
     """``function`` that, called as ``holds`` says (the first time), waits until the test releases it (at most
-    20 s): what it is part of stays where it runs (on the event loop, or in a worker thread) meanwhile."""
+    twice HANG_GUARD_S): what it is part of stays where it runs (on the event loop, or in a worker thread)
+    meanwhile."""
 
     def __init__(self, function: Callable[..., Any], holds: Callable[..., bool] = lambda *a, **k: True) -> None:
         self.function, self.holds = function, holds
@@ -44,7 +46,7 @@ class Held:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.entered.is_set() and self.holds(*args, **kwargs):
             self.entered.set()
-            self.released.wait(20)
+            self.released.wait(2 * HANG_GUARD_S)  # past /health's wait: a held event loop fails the test
         return self.function(*args, **kwargs)
 
 
@@ -59,15 +61,15 @@ def health_while_held(server: KestrelServer, path: str, raw: bytes, held: Held) 
     sender = threading.Thread(target=post)
     sender.start()
     try:
-        assert held.entered.wait(20), f"POST {path} did not reach {held.function.__name__}"
+        assert held.entered.wait(HANG_GUARD_S), f"POST {path} did not reach {held.function.__name__}"
         try:
-            with urllib.request.urlopen(f"{server.url}/health", timeout=5) as resp:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=HANG_GUARD_S) as resp:
                 health = resp.status
         except OSError as exc:
             pytest.fail(f"/health was not answered while POST {path} was held: the event loop was ({exc!r})")
     finally:
         held.released.set()
-        sender.join(60)
+        sender.join(HANG_GUARD_S)
     assert health == 200 and not sender.is_alive()
     return answered["status"], json.loads(answered["body"])
 
