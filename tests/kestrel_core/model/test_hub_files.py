@@ -23,7 +23,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.hub import Hub, HubSpec
 from kestrel_core.model.hub_files import WORKERS
 
-from ..waits import within
+from ..waits import HANG_GUARD_S, within
 from .fake_hub import FakeHub, repo_files, serving
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
@@ -81,14 +81,14 @@ def test_the_files_are_fetched_several_at_a_time(hub: FakeHub, tmp_path: Path) -
     under_way: list[int] = []
 
     def release_when_full() -> None:
-        deadline = time.monotonic() + 10  # a guard: one download at a time would be held for ever
+        deadline = time.monotonic() + HANG_GUARD_S  # a guard: one download at a time would be held for ever
         while len(hub.held) < WORKERS and time.monotonic() < deadline:
             time.sleep(0.01)
         under_way.append(len(hub.held))
         hub.release.set()
 
     threading.Thread(target=release_when_full, daemon=True).start()
-    snap = within(60, lambda: Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/many")))
+    snap = within(HANG_GUARD_S, lambda: Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/many")))
     assert isinstance(snap, Path) and {p.name: p.read_bytes() for p in snap.iterdir()} == MANY
     assert under_way == [WORKERS]
 
@@ -261,7 +261,7 @@ def test_an_ended_fetch_stops_its_downloads_and_leaves_no_part_of_them(
         return ask(url, *args, **kwargs)
 
     def wait_for(condition: Callable[[], bool]) -> None:  # a guard: where the downloads come one at a time
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_GUARD_S
         while not condition() and time.monotonic() < deadline:
             time.sleep(0.01)
 
@@ -300,7 +300,7 @@ def test_an_ended_fetch_stops_its_downloads_and_leaves_no_part_of_them(
                 fetch(HubSpec("org/many"))
         else:
             with pytest.raises(KestrelError, match=r"^model org/many: "):
-                within(30, lambda: fetch(HubSpec("org/many")))
+                within(HANG_GUARD_S, lambda: fetch(HubSpec("org/many")))
         ended.set()
         held = sorted(hub.held)
         assert len(set(held)) == len(held) == under_way
@@ -308,7 +308,7 @@ def test_an_ended_fetch_stops_its_downloads_and_leaves_no_part_of_them(
     finally:
         hub.release.set()
     for thread in _fetch_threads() - before:
-        thread.join(10)
+        thread.join(HANG_GUARD_S)
         assert not thread.is_alive()
     assert written_after_the_end == []
     assert sorted(hub.held) == held and not list(tmp_path.rglob("*.incomplete"))
@@ -329,20 +329,20 @@ def test_a_file_whose_metadata_comes_after_the_fetch_ended_is_not_downloaded(tmp
 
     def answered_late(url: str, *args: object, **kwargs: object) -> object:
         if url.endswith("/config.json"):
-            entered.wait(10)
+            entered.wait(HANG_GUARD_S)
             raise OSError("the Hub closed the connection")
         entered.set()
-        ended.wait(10)  # answered only once the fetch has ended
+        ended.wait(2 * HANG_GUARD_S)  # answered only once the fetch has ended (past the fetch's guard)
         return ask(url, *args, **kwargs)
 
     monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", answered_late)
     before = _fetch_threads()
     with serving(FakeHub({"org/two": dict(files)})) as fake:
         with pytest.raises(KestrelError, match="the Hub closed the connection"):
-            within(30, lambda: Hub(fake.url, str(tmp_path)).fetch(HubSpec("org/two")))
+            within(HANG_GUARD_S, lambda: Hub(fake.url, str(tmp_path)).fetch(HubSpec("org/two")))
         ended.set()
         for thread in _fetch_threads() - before:
-            thread.join(10)
+            thread.join(HANG_GUARD_S)
             assert not thread.is_alive()
         assert fake.served == []
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and "blobs" in p.parts]
