@@ -28,6 +28,8 @@ from kestrel_core.errors import ContractError, KestrelError
 from kestrel_core.model.loader import load_model
 from kestrel_core.model.quantize import quantize_model
 
+from .waits import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -396,6 +398,6 @@ def _killed_while_writing(code: str, cwd: Path, directory: Path, sig: signal.Sig
         assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
         assert any(p.name.endswith(".writing") for p in directory.iterdir())
         proc.send_signal(sig)
-        assert proc.wait(timeout=60) == -sig  # still killed by the signal, as without the handler
+        assert proc.wait(timeout=HANG_GUARD_S) == -sig  # still killed by the signal, as without the handler
     finally:
         proc.kill()

@@ -15,6 +15,8 @@ import pytest
 
 from kestrel_core.cli import main
 
+from .waits import HANG_GUARD_S
+
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny-qwen3"
 
 
@@ -297,7 +299,8 @@ def test_a_ctrl_c_native_code_swallows_still_ends_as_interrupted() -> None:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", SWALLOWED_INTERRUPT], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", SWALLOWED_INTERRUPT], capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
     assert done.stdout.strip() == "ran on", done.stdout + done.stderr
     assert done.returncode == 130 and done.stderr.strip() == "interrupted", done.stderr
 
@@ -344,7 +347,7 @@ def callback():  # as llvmlite's object-cache callback does when a SIGINT lands 
 
 try:
     callback()
-    for _ in range(100):
+    for _ in range(int(sys.argv[2])):  # hundredths of a second to wait for the interrupt
         time.sleep(0.01)
     print("ran on")
 except KeyboardInterrupt:
@@ -359,8 +362,10 @@ def test_a_ctrl_c_python_drops_reaches_the_main_thread(hook: str, outcome: str) 
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", DROPPED_INTERRUPT, hook], capture_output=True, text=True,
-                          timeout=60)
+    # with the hook, the wait only guards against a hang; without it, nothing would ever come
+    waits = int(HANG_GUARD_S / 2 * 100) if hook == "hook" else 100
+    done = subprocess.run([sys.executable, "-c", DROPPED_INTERRUPT, hook, str(waits)], capture_output=True,
+                          text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0 and done.stdout.strip() == outcome, done.stdout + done.stderr
     assert ("Exception ignored" in done.stderr) == (hook == "none"), done.stderr
 

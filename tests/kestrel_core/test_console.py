@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .waits import HANG_GUARD_S
+
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny-llama"
 
 
@@ -16,7 +18,7 @@ def test_a_warning_on_a_stderr_that_is_no_terminal_is_one_line(tmp_path: Path) -
     home.write_text("")
     env = {**os.environ, "KESTREL_HOME": str(home), "KESTREL_MODEL_CACHE": "1", "COLUMNS": "80"}
     done = subprocess.run([sys.executable, "-m", "kestrel_core.entry", "run", "hi", "-n", "2", "-m", str(TINY)],
-                          capture_output=True, text=True, timeout=120, env=env)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
     assert done.returncode == 0, done.stderr
     warnings = [line for line in done.stderr.splitlines() if "could not cache" in line]
     assert len(warnings) == 1 and warnings[0].startswith("WARNING") and str(home) in warnings[0], done.stderr

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from .waits import HANG_GUARD_S
+
 
 def _interrupt_once_imported(argv: list[str], module: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """Start ``python -X importtime`` with ``argv`` and send SIGINT as soon as ``module`` has been imported:
@@ -31,7 +33,7 @@ def _interrupt_once_imported(argv: list[str], module: str, tmp_path: Path) -> su
             break
     else:
         raise AssertionError(f"{module} was never imported: {''.join(seen)}")
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=HANG_GUARD_S)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "".join(seen) + err)
 
 
@@ -88,7 +90,8 @@ sys.exit(entry.main())
 def _python_m(source: str, tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "started_command.py").write_text(source)
     return subprocess.run(
-        [sys.executable, "-m", "started_command", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "started_command", *argv], cwd=tmp_path, capture_output=True, text=True,
+        timeout=HANG_GUARD_S,
     )
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from kestrel_core.guard import plugin_output
 
+from .waits import HANG_GUARD_S
+
 
 def test_a_plugins_print_goes_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     with plugin_output():
@@ -30,20 +32,20 @@ def test_stdout_comes_back_when_blocks_of_two_threads_end_out_of_order(monkeypat
     def first() -> None:
         with plugin_output():
             a_in.set()
-            b_in.wait(5)
+            b_in.wait(HANG_GUARD_S)
         a_out.set()
 
     def second() -> None:
-        a_in.wait(5)
+        a_in.wait(HANG_GUARD_S)
         with plugin_output():
             b_in.set()
-            a_out.wait(5)
+            a_out.wait(HANG_GUARD_S)
             print("inside", file=sys.stdout)  # the first block has ended, this one has not: still stderr
 
     threads = [threading.Thread(target=first), threading.Thread(target=second)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
+        t.join(HANG_GUARD_S)
     assert sys.stdout is out
     assert err.getvalue() == "inside\n" and out.getvalue() == ""

@@ -16,6 +16,8 @@ from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.presets import synthetic_model
 from kestrel_core.model.sampling import SamplingParams
 
+from ..waits import HANG_GUARD_S
+
 
 @pytest.fixture
 def engine(tiny_config):
@@ -100,7 +102,7 @@ def test_shutdown_lets_running_requests_finish_and_refuses_new_ones(engine) -> N
         task = asyncio.create_task(_collect(front, [4, 5, 6], SamplingParams(max_tokens=6, ignore_eos=True)))
         await asyncio.sleep(0)
         await asyncio.sleep(0.05)
-        await front.shutdown(grace_s=5)
+        await front.shutdown(grace_s=HANG_GUARD_S)  # the running request finishes within it
         assert len(await task) == 6
         with pytest.raises(ShuttingDown, match="shutting down"):
             await anext(front.generate([1], SamplingParams()))
@@ -163,7 +165,7 @@ def test_embeddings_run_between_steps_and_shutdown_waits_for_them(engine) -> Non
         embedding = asyncio.create_task(front.embed(prompts))
         await asyncio.sleep(0)  # both under way: each waits for the thread
         assert front.active == 2
-        await front.shutdown(grace_s=30)
+        await front.shutdown(grace_s=HANG_GUARD_S)
         assert np.array_equal(await embedding, want) and len(await task) == 40
         with pytest.raises(ShuttingDown):
             await front.embed(prompts)
@@ -523,9 +525,9 @@ def test_a_stopped_engine_whose_thread_outlived_the_join_starts_no_other(engine,
     async def main() -> None:
         front = AsyncEngine(engine)
         entered, release = threading.Event(), threading.Event()
-        held = asyncio.ensure_future(front.call(lambda: (entered.set(), release.wait(30))))
+        held = asyncio.ensure_future(front.call(lambda: (entered.set(), release.wait(HANG_GUARD_S))))
         try:
-            assert await asyncio.to_thread(entered.wait, 30)
+            assert await asyncio.to_thread(entered.wait, HANG_GUARD_S)
             await front.shutdown(grace_s=0)
             assert started[0].is_alive()  # the join gave up
             with pytest.raises(ShuttingDown):

@@ -17,6 +17,8 @@ from kestrel_core.model.kv_pool import BLOCK_SIZE, bytes_per_position
 from kestrel_core.model.presets import synthetic_model
 from kestrel_core.model.sampling import SamplingParams
 
+from ..waits import HANG_GUARD_S
+
 SCORED = list(range(3, 103))  # 100 tokens: four KV blocks
 
 
@@ -37,7 +39,7 @@ class HeldSteps:
         def held(work, *args, **kwargs):  # type: ignore[no-untyped-def]
             if self.armed.is_set() and not self.release.is_set():
                 self.entered.set()
-                self.release.wait(30)
+                self.release.wait(HANG_GUARD_S)
             self.calls.append([1 if tokens is None else len(tokens) for _, tokens, _ in work])
             return start_batch(work, *args, **kwargs)
 
@@ -46,7 +48,7 @@ class HeldSteps:
     async def hold(self) -> None:
         """Hold the steps' thread in its next step."""
         self.armed.set()
-        assert await asyncio.to_thread(self.entered.wait, 30)
+        assert await asyncio.to_thread(self.entered.wait, HANG_GUARD_S)
 
 
 async def _queued(front: AsyncEngine, active: int) -> None:

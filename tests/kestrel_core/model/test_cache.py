@@ -28,6 +28,8 @@ from kestrel_core.model.loader import load_model
 from kestrel_core.model.quantize import quantize_model
 from kestrel_core.temps import HELD_SUFFIX
 
+from ..waits import HANG_GUARD_S
+
 TEMPLATE = "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 REAL_WRITER = artifact_write._write_safetensors
@@ -175,7 +177,7 @@ def gated_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     go = threading.Event()
 
     def held(*args, **kwargs):
-        assert go.wait(10)
+        assert go.wait(HANG_GUARD_S)
         return REAL_WRITER(*args, **kwargs)
 
     monkeypatch.setattr(loader, "BACKGROUND_WRITE_BYTES", 0)
@@ -492,7 +494,7 @@ def test_a_fifo_or_device_among_the_key_files_does_not_hang_the_key(hf) -> None:
     done: list[str] = []
     reader = threading.Thread(target=lambda: done.append(hf_key(root, "q8")), daemon=True)
     reader.start()
-    reader.join(10)
+    reader.join(HANG_GUARD_S)
     assert done == [before]
 
 

@@ -22,6 +22,8 @@ import kestrel_core
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.gguf_bounds import MAX_ARRAY_ELEMENTS, check_gguf_bounds
 
+from ..waits import HANG_GUARD_S
+
 U32, STRING, ARRAY, F32 = 4, 8, 9, 6
 
 
@@ -207,7 +209,7 @@ def test_the_hostile_files_stay_bounded(tmp_path: Path) -> None:
         paths.append(tmp_path / f"case{i}.gguf")
         paths[-1].write_bytes(data)
     r = subprocess.run([sys.executable, "-c", BOUNDED, *map(str, paths)], capture_output=True, text=True,
-                       timeout=60, env=same_kestrel_env())
+                       timeout=HANG_GUARD_S, env=same_kestrel_env())
     lines = r.stdout.splitlines()
     assert r.returncode == 0 and len(lines) == len(CASES), r.stdout + r.stderr[-2000:]
     for name, line in zip(CASES, lines):

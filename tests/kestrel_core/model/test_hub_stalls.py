@@ -156,6 +156,6 @@ def test_a_limit_that_is_not_a_whole_number_of_seconds_is_one_line(tmp_path: Pat
     env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"), "KESTREL_HOME": str(tmp_path / "k"),
            limit: value}
     ran = subprocess.run([sys.executable, "-m", "kestrel_core.cli", *command], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, **env})
+                         timeout=HANG_GUARD_S, env={**os.environ, **env})
     assert ran.returncode == 2, ran.stderr
     assert ran.stderr == f"error: {limit} must be a whole number of seconds >= 0, got {value!r}\n"

@@ -189,7 +189,7 @@ def test_allocation_bombs_stay_under_the_memory_limit() -> None:
     root = str(Path(kestrel_core.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", BOUNDED, *(HOSTILE[n] for n in names)], capture_output=True,
-                       text=True, timeout=120, env=env)
+                       text=True, timeout=HANG_GUARD_S, env=env)
     lines = r.stdout.splitlines()
     assert r.returncode == 0 and len(lines) == len(names), r.stdout + r.stderr[-2000:]
     for name, line in zip(names, lines):

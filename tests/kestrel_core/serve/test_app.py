@@ -27,6 +27,7 @@ from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.serve.server import KestrelServer
 
+from ..waits import HANG_GUARD_S
 from .helpers import Scripted, ending_aborted, http, openai_client, running_server, wait_idle
 
 pytestmark = pytest.mark.default_model
@@ -579,7 +580,7 @@ def test_a_json_body_sent_as_curl_d_sends_it_is_read(server: KestrelServer, cont
     body = json.dumps({"messages": HI, "max_tokens": 2, "temperature": 0}).encode()
     req = urllib.request.Request(f"{server.url}/v1/chat/completions", data=body, method="POST",
                                  headers={"Content-Type": content_type})
-    with urllib.request.urlopen(req, timeout=60) as resp:
+    with urllib.request.urlopen(req, timeout=HANG_GUARD_S) as resp:
         assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
 
 
@@ -683,7 +684,7 @@ def test_a_body_over_the_limit_is_a_413_in_each_apis_shape(small_server: Kestrel
     assert refused.value.status_code == 413 and refused.value.body["error"]["type"] == "request_too_large"
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     chunks = (b'{"model": "x", "prompt": "' + b"x" * 1000 for _ in range(SMALL_BODY // 1000 + 1))
-    answer = httpx.post(f"{small_server.url}/api/generate", content=chunks, headers=auth, timeout=60)
+    answer = httpx.post(f"{small_server.url}/api/generate", content=chunks, headers=auth, timeout=HANG_GUARD_S)
     assert answer.status_code == 413 and "--max-request-mb" in answer.json()["error"]
     assert "content-length" not in answer.request.headers  # sent in chunks
     assert _chat(client, max_tokens=2).usage.completion_tokens == 2
@@ -803,7 +804,7 @@ def test_an_allowed_pages_preflights_are_answered_and_its_requests_carry_cors_he
     body = {"prompt": "Hi", "max_tokens": 1}
     page = "https://app.example"
     with running_server(AsyncEngine(engine), NAME, api_key=KEY, allowed_origins=[page]) as keyed:
-        with httpx.Client(base_url=keyed.url, timeout=60) as browser:
+        with httpx.Client(base_url=keyed.url, timeout=HANG_GUARD_S) as browser:
             answer = browser.options("/v1/chat/completions", headers={"Origin": page, **preflight})
             assert _cors_allows(answer, page, "POST", asked), (answer.status_code, answer.headers)
             answer = browser.post("/v1/completions", json=body,
@@ -815,7 +816,7 @@ def test_an_allowed_pages_preflights_are_answered_and_its_requests_carry_cors_he
             refused = browser.options("/v1/chat/completions", headers={"Origin": "https://b.example", **preflight})
             assert refused.status_code == 403 and "access-control-allow-origin" not in refused.headers
     loopback_page = "http://localhost:5173"
-    with httpx.Client(base_url=server.url, timeout=60) as browser:
+    with httpx.Client(base_url=server.url, timeout=HANG_GUARD_S) as browser:
         answer = browser.options("/v1/completions", headers={"Origin": loopback_page, **preflight})
         assert _cors_allows(answer, loopback_page, "POST", asked), (answer.status_code, answer.headers)
         answer = browser.post("/v1/completions", json=body, headers={"Origin": loopback_page})

@@ -17,6 +17,7 @@ from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.speculate import DRAFT_MIN, DRAFT_P_MIN
 from kestrel_core.serve import command
 
+from ..waits import HANG_GUARD_S
 from .helpers import http, running_server
 
 # the shared CLI check words them as it does run's and bench's: "--flag: field must be ..."
@@ -88,7 +89,7 @@ def test_serve_words_a_bad_value_as_run_does(capsys: pytest.CaptureFixture[str])
 def test_the_command_exits_2_with_one_line(argv: list[str], needle: str) -> None:
     """The installed command's own process: nothing loads, nothing listens, one line on stderr."""
     done = subprocess.run([sys.executable, "-m", "kestrel_core.entry", "serve", *argv], capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=HANG_GUARD_S)
     err = done.stderr.strip()
     assert done.returncode == 2, (done.returncode, err)
     assert needle in err and len(err.splitlines()) == 1 and done.stdout == ""
@@ -161,7 +162,7 @@ def test_the_cli_imports_no_web_framework() -> None:
     code = ("import sys, kestrel_core.cli as c; c.build_parser().parse_args(['serve']); "
             "bad = [m for m in ('fastapi', 'uvicorn', 'starlette', 'prometheus_client') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stdout + done.stderr
 
 

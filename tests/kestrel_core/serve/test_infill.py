@@ -83,7 +83,8 @@ def infill(server: KestrelServer, body: dict[str, Any], timeout: float = 60, **k
 
 def events(server: KestrelServer, body: dict[str, Any], **kwargs: Any) -> list[dict[str, Any]]:
     """A streamed answer's events, each line checked to be ``data: {json}`` or the blank line after one."""
-    with httpx.stream("POST", f"{server.url}/infill", json={**body, "stream": True}, timeout=60, **kwargs) as r:
+    with httpx.stream("POST", f"{server.url}/infill", json={**body, "stream": True}, timeout=HANG_GUARD_S,
+                      **kwargs) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = list(r.iter_lines())
     assert all(line == "" or line.startswith("data: {") for line in lines)  # no [DONE]: llama.cpp sends none

@@ -19,6 +19,7 @@ import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.serve.server import KestrelServer, build_server
 
+from ..waits import HANG_GUARD_S
 from .helpers import http, openai_client
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
@@ -40,7 +41,7 @@ def server(engines: dict[str, Any]) -> Iterator[KestrelServer]:
     assert server.wait_started(30)
     yield server
     server.request_shutdown()
-    thread.join(30)
+    thread.join(HANG_GUARD_S)
     assert not thread.is_alive()
 
 
