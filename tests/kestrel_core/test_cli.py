@@ -263,7 +263,7 @@ def test_ctrl_c_at_any_moment_of_startup_is_one_line(delay: float) -> None:
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     # a hang guard only: an interrupt native code drops lets the command generate its 200 tokens before it exits
-    _, err = proc.communicate(timeout=600)
+    _, err = proc.communicate(timeout=HANG_GUARD_S)
     if "Traceback" in err and not re.search(r'kestrel_core/entry\.py", line \d+, in main', err):
         # before the entry point's main() ran (site and its .pth files, runpy, the package's import): CPython's
         # traceback, whatever kestrel does
