@@ -433,23 +433,27 @@ def test_an_embedding_waiting_for_blocks_is_not_starved_by_new_requests(tiny_con
 
             clients = [asyncio.create_task(client(seed)) for seed in range(4)]
             try:
-                await asyncio.sleep(0.2)
+                deadline = time.monotonic() + HANG_GUARD_S
+                while done == 0:  # the clients have come round: each sends its next request as one ends
+                    assert time.monotonic() < deadline, "no generation ended"
+                    await asyncio.sleep(0.01)
                 job = asyncio.create_task(front.embed([text]))
                 start = done
                 while not job.done() and done - start < 60:
                     await asyncio.sleep(0.01)
+                meanwhile = done - start
                 got = job.result() if job.done() else None
                 stop = True
                 job.cancel()
                 await asyncio.gather(*clients)
-                return done - start, got, done
+                return meanwhile, got, done - start
             finally:
                 await front.shutdown(grace_s=5)
 
-        meanwhile, got, total = asyncio.run(main())
+        meanwhile, got, since = asyncio.run(main())
         assert got is not None, f"the embedding waited through {meanwhile} generations"
         np.testing.assert_array_equal(got, want)
-        assert total > meanwhile  # the held-back requests ran after it
+        assert since > meanwhile  # the held-back requests ran after it
         assert engine.pool.free_blocks == engine.pool.num_blocks
 
 
