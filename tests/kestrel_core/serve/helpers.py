@@ -57,9 +57,17 @@ def running_server(async_engine: Any, model_name: str, api_key: str | None = Non
 
 
 def wait_idle(ae: AsyncEngine) -> None:
-    """Until nothing runs or waits in ``ae``."""
-    wait_until(lambda: not (ae.num_running or ae.active or ae.num_waiting),
-               f"idle (running={ae.num_running} active={ae.active} waiting={ae.num_waiting})")
+    """Until nothing runs or waits in ``ae``, and the step that reports an abort has been taken and counted: a
+    call on the steps' thread runs between two steps."""
+
+    def idle() -> bool:
+        return not (ae.num_running or ae.active or ae.num_waiting or ae.scheduler.has_work)
+
+    while True:
+        wait_until(idle, f"idle (running={ae.num_running} active={ae.active} waiting={ae.num_waiting})")
+        ae.run_sync(lambda: None)
+        if idle():
+            return
 
 
 @contextmanager
