@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 # how long a wait may last before the test calls it a hang: the first forced tool call of
-# test_tool_calls_cohere.py (22 s with the cores to itself) overran 300 s with two cores shared by some fifteen
+# test_tool_calls_cohere.py (22 s beside three busy processes) overran 300 s with two cores shared by some fifteen
 # busy processes
 HANG_GUARD_S = 600.0
 
