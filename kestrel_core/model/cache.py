@@ -46,7 +46,7 @@ HF_KEY_FILES = ("config.json", "generation_config.json", "model.safetensors.inde
                 "tokenizer_config.json", "chat_template.jinja", "modules.json")
 LOCK_SUFFIX = ".lock"
 KEY_SCHEME = "kestrel-hf-cache-6"  # bump when what goes into a directory's key, or what is read of it, changes
-GGUF_KEY_SCHEME = "kestrel-gguf-cache-8"
+GGUF_KEY_SCHEME = "kestrel-gguf-cache-9"
 
 
 def cache_dir() -> Path:

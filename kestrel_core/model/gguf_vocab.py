@@ -10,9 +10,9 @@
   real spaces and respelled; merges ranked by the pieces' order in the file, which its scores do not follow).
 
 Either way the ends of generation, the types of the tokens llama.cpp finds by their text, and the special ids a
-SentencePiece file leaves out (``DEFAULT_IDS``) are llama.cpp's (``end_of_generation``, ``special_id``); so are an
-unused token's text, none (``_decoder``), and the files refused for a bos or eos to add that they lack
-(``_check_added``).
+SentencePiece file leaves out (``DEFAULT_IDS``) are llama.cpp's (``end_of_generation``, ``special_id``); so are the
+text of a token of a type it does not print (an unused one), none (``_decoder``), and the files refused for a bos or
+eos to add that they lack (``_check_added``).
 
 tests/kestrel_core/model/test_tokenizer.py compares them with llama.cpp's test vectors (the models' own
 tokenizers' ids) and with transformers' own reading of the same files.
@@ -87,10 +87,13 @@ MODELS = ("gpt2", "llama")
 SPACE = "\u2581"  # SentencePiece's space
 
 # llama.cpp token types; llama.cpp matches UNKNOWN's and CONTROL's text only where special tokens are parsed, and
-# leaves both out of a text decoded without them; an UNUSED token (a padded vocabulary's "[PAD151700]") decodes to
+# leaves both out of a text decoded without them; a token of any type its token_to_piece does not print (UNUSED: a
+# padded vocabulary's "[PAD151700]", UNDEFINED, a type past BYTE, and BYTE in a byte-level vocabulary) decodes to
 # nothing either way, its text still a piece of the vocabulary
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 2, 3, 4, 5
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 SPECIAL_TYPES = (TOKEN_UNKNOWN, TOKEN_CONTROL)
+PRINTED_TYPES = {"gpt2": (TOKEN_NORMAL, *SPECIAL_TYPES, TOKEN_USER_DEFINED),
+                 "llama": (TOKEN_NORMAL, *SPECIAL_TYPES, TOKEN_USER_DEFINED, TOKEN_BYTE)}
 
 # llama.cpp's ends of generation (llama_vocab::impl::load, src/llama-vocab.cpp): the ids the file names for eos, eot
 # and eom, the fill-in-the-middle padding, repository and file-separator tokens, and every token of one of these
@@ -240,12 +243,12 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
     eos_ids, types = _end_of_generation(fields, tokens, types, where)
     if kind == "llama" and architecture == "gemma3":  # pieces of spaces stored as spaces; GemmaTokenizer spells
         tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]  # them "▁"
-    unused = [t for t, ty in zip(tokens, types) if ty == TOKEN_UNUSED]
+    silent = [t for t, ty in zip(tokens, types) if ty not in PRINTED_TYPES[kind]]
     if kind == "gpt2":
-        backend, pre = _byte_level(fields, tokens, unused, where)
+        backend, pre = _byte_level(fields, tokens, silent, where)
         add_bos = fields.get("tokenizer.ggml.add_bos_token", pre.add_bos)
     else:
-        backend = _sentencepiece(fields, tokens, architecture, unk_id, unused, where)
+        backend = _sentencepiece(fields, tokens, architecture, unk_id, silent, where)
         add_bos = fields.get("tokenizer.ggml.add_bos_token", True)  # llama.cpp's default for SentencePiece
     add_eos = fields.get("tokenizer.ggml.add_eos_token", False)
     _check_added(fields, {"bos": add_bos, "eos": add_eos}, len(tokens), where)
@@ -296,9 +299,9 @@ def _regex_literal(text: str) -> str:
 
 def _decoder(steps: Sequence[Any], silent: Sequence[str]) -> Any:
     """The decoder of ``steps``, first emptying each token whose text is one of ``silent``, as llama.cpp's
-    token_to_piece gives an unused token no text (each token is a string of its own at that step; a match costs well
-    under a microsecond a token with 50,000 such texts). One flat sequence: llguidance reads what the decoder is from
-    the steps in it."""
+    token_to_piece gives an unused token no text (``PRINTED_TYPES``; each token is a string of its own at that step; a
+    match costs well under a microsecond a token with 50,000 such texts). One flat sequence: llguidance reads what
+    the decoder is from the steps in it."""
     pattern = "|".join(_regex_literal(t) for t in silent if t)
     if pattern:
         steps = [decoders.Replace(Regex(rf"\A(?:{pattern})\z"), ""), *steps]
@@ -319,7 +322,7 @@ def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], where: str, **opt
         raise KestrelError(f"{where}: the embedded vocabulary is not a valid BPE ({one_line(exc)})") from None
 
 
-def _byte_level(fields: Mapping[str, Any], tokens: list[str], unused: Sequence[str],
+def _byte_level(fields: Mapping[str, Any], tokens: list[str], silent: Sequence[str],
                 where: str) -> tuple[_Backend, _Pre]:
     merges_raw = _str_list(fields, "tokenizer.ggml.merges", where)
     if not tokens or not merges_raw:
@@ -349,7 +352,7 @@ def _byte_level(fields: Mapping[str, Any], tokens: list[str], unused: Sequence[s
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     if pre.nfc:
         backend.normalizer = normalizers.NFC()
-    backend.decoder = _decoder([decoders.ByteLevel()], unused)
+    backend.decoder = _decoder([decoders.ByteLevel()], silent)
     return backend, pre
 
 
@@ -374,7 +377,7 @@ def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list
 
 
 def _sentencepiece(fields: Mapping[str, Any], tokens: list[str], architecture: str, unk_id: int | None,
-                   unused: Sequence[str], where: str) -> _Backend:
+                   silent: Sequence[str], where: str) -> _Backend:
     if not tokens:
         raise KestrelError(f"{where}: the embedded vocabulary lacks tokens")
     vocab = _vocab(tokens, where)
@@ -402,5 +405,5 @@ def _sentencepiece(fields: Mapping[str, Any], tokens: list[str], architecture: s
         backend.normalizer = normalizers.Replace(" ", SPACE)
     if prefix_space:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.decoder = _decoder(steps, unused)
+    backend.decoder = _decoder(steps, silent)
     return backend

@@ -107,6 +107,11 @@ def test_a_model_whose_bos_to_add_is_missing_does_not_load(tmp_path: Path, fmt, 
 
 
 UNUSED = int(gguf.TokenType.UNUSED)
+# the types llama.cpp's token_to_piece prints nothing for in a byte-level vocabulary (UNDEFINED, UNUSED, BYTE and
+# any past BYTE), and in a SentencePiece one (BYTE pieces are its byte fallback there); gguf-py names no UNDEFINED
+UNDEFINED = 0
+BYTE_LEVEL_SILENT = [UNDEFINED, UNUSED, int(gguf.TokenType.BYTE), 7]
+SENTENCEPIECE_SILENT = [UNDEFINED, UNUSED, 7]
 
 
 def _streamed(tok: Tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
@@ -114,12 +119,13 @@ def _streamed(tok: Tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
     return "".join(stream.push(i) for i in ids) + stream.flush()
 
 
+@pytest.mark.parametrize("token_type", BYTE_LEVEL_SILENT)
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_an_unused_token_prints_nothing_in_a_byte_level_vocabulary(tmp_path: Path, fmt,
-                                                                   skip_special_tokens: bool) -> None:
+def test_an_unused_token_prints_nothing_in_a_byte_level_vocabulary(tmp_path: Path, fmt, skip_special_tokens: bool,
+                                                                   token_type: int) -> None:
     """llama.cpp's token_to_piece gives an unused token (a padded vocabulary's "[PAD151700]") no text, special tokens
-    asked for or not; a normal token that holds its text keeps it."""
-    tok, _ = vocab(tmp_path, fmt, {"[PAD9]": UNUSED, "x[PAD9]": TOKEN_NORMAL})
+    asked for or not, nor one of the other types it does not print; a normal token that holds its text keeps it."""
+    tok, _ = vocab(tmp_path, fmt, {"[PAD9]": token_type, "x[PAD9]": TOKEN_NORMAL})
     pad, holder = tok.backend.token_to_id("[PAD9]"), tok.backend.token_to_id("x[PAD9]")
     hello, again = tok.encode("Hello world", add_special_tokens=False), tok.encode(" again", add_special_tokens=False)
     ids = [pad, *hello, pad, pad, *again, holder, pad]
@@ -132,10 +138,11 @@ def test_an_unused_token_prints_nothing_in_a_byte_level_vocabulary(tmp_path: Pat
     assert grammar_vocab(tok.to_json_str(), tok.vocab_size, [0]).vocab_size == tok.vocab_size
 
 
+@pytest.mark.parametrize("token_type", SENTENCEPIECE_SILENT)
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_an_unused_token_prints_nothing_in_a_sentencepiece_vocabulary(tmp_path: Path,
-                                                                      skip_special_tokens: bool) -> None:
-    fields = write_vocab(tmp_path, "llama", [*SPM_TOKENS, "<unused0>"], [*SPM_TYPES, UNUSED],
+def test_an_unused_token_prints_nothing_in_a_sentencepiece_vocabulary(tmp_path: Path, skip_special_tokens: bool,
+                                                                      token_type: int) -> None:
+    fields = write_vocab(tmp_path, "llama", [*SPM_TOKENS, "<unused0>"], [*SPM_TYPES, token_type],
                          scores=[*SPM_SCORES, 0.0])
     tok = Tokenizer.from_gguf_vocab(fields)
     ids = [7, 8, 7, 8]  # "▁hi", "<unused0>", "▁hi", "<unused0>"
