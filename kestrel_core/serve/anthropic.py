@@ -28,10 +28,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from kestrel_core.serve.bodies import RequestBody
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.offload import json_body, off_loop
-from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
+from kestrel_core.serve.protocol import ChatCompletionRequest
 from kestrel_core.serve.tools import arguments_object
 
 if TYPE_CHECKING:

@@ -43,10 +43,11 @@ from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, model_valida
 
 from kestrel_core.model.fim import FORMATS, FimPrompt, fim_format, fim_prompt
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
+from kestrel_core.serve.bodies import NullsAbsentBody
 from kestrel_core.serve.errors import APIError, llama_cpp_error, named_as, validated
 from kestrel_core.serve.generation import ClientGone, EventStreamResponse, answer_chunks, sse, unless_disconnected
 from kestrel_core.serve.offload import json_body, off_loop
-from kestrel_core.serve.protocol import CompletionRequest, NullsAbsentBody
+from kestrel_core.serve.protocol import CompletionRequest
 
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served

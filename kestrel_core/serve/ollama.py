@@ -38,10 +38,11 @@ from kestrel_core.model.quantize import model_quant
 from kestrel_core.model.reasoning import think_kwargs
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS
 from kestrel_core.serve.access import record_of
+from kestrel_core.serve.bodies import NullsAbsentBody
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.offload import json_answer, json_body, json_loads, off_loop
-from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, NullsAbsentBody
+from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from kestrel_core.serve.tools import MISTRAL_FORMATS, arguments_object
 
 if TYPE_CHECKING:

@@ -25,8 +25,6 @@ from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
@@ -34,7 +32,6 @@ from pydantic import (
     StrictStr,
     ValidationInfo,
     field_validator,
-    model_validator,
 )
 
 from kestrel_core.errors import InvalidRequest
@@ -43,7 +40,7 @@ from kestrel_core.model.config import SAMPLING_FIELDS
 from kestrel_core.model.fim import fim_format, fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from kestrel_core.serve.errors import APIError, param_path
+from kestrel_core.serve.bodies import RequestBody
 from kestrel_core.serve.guided import GUIDED_FIELDS, REFUSED_FIELDS, guided_grammar
 from kestrel_core.serve.tool_grammar import forced_call_grammar
 from kestrel_core.serve.tools import UNKNOWN, ToolCalls
@@ -57,76 +54,6 @@ TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "b
 
 
 # -- requests -----------------------------------------------------------------------------------------
-
-
-class RequestBody(BaseModel):
-    """A request body: unknown fields ignored (clients send many); every API's requests are these."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unicode_text(cls, data: Any) -> Any:
-        """Every string is Unicode text: JSON's escapes can spell a lone UTF-16 surrogate ("\\ud800"), which
-        neither a tokenizer nor UTF-8 takes. The outermost body looks first, so the field is named from the top."""
-        where = _lone_surrogate(data)
-        if where is not None:
-            param = param_path(where) or "body"
-            raise APIError(400, f"{param}: not Unicode text (a lone UTF-16 surrogate)", param=param,
-                           code="invalid_value")
-        return data
-
-
-class NullsAbsentBody(RequestBody):
-    """A request body whose fields sent as null are fields not sent, as Go's JSON reader (Ollama's) and llama.cpp's
-    read null."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-
-def _has_lone_surrogate(value: Any) -> bool:
-    """Whether a string (or an object's key) of a request's raw JSON value holds a lone surrogate: the values alone
-    on the walk's stack (a body of millions of numbers takes about a second, not half a minute)."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            if not v.isascii():
-                try:
-                    v.encode("utf-8")
-                except UnicodeEncodeError:
-                    return True
-        elif isinstance(v, dict):
-            stack.extend(v)
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return False
-
-
-def _lone_surrogate(value: Any) -> tuple[int | str, ...] | None:
-    """Where in a request's raw JSON value a string (or an object's key) holds a lone surrogate, or None; a walk
-    of its own stack, as deep as the JSON parser let the body nest, paths built only for a body that has one."""
-    if not _has_lone_surrogate(value):
-        return None
-    stack: list[tuple[Any, tuple[int | str, ...]]] = [(value, ())]
-    while stack:
-        v, loc = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return loc
-        elif isinstance(v, (dict, list)):
-            items = list(v.items() if isinstance(v, dict) else enumerate(v))
-            for key, item in reversed(items):  # the first field first
-                stack.append((item, loc + (key,)))
-                if isinstance(key, str):
-                    stack.append((key, loc + (key,)))
-    return None
 
 
 class ContentPart(RequestBody):

@@ -37,10 +37,11 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kestrel_core.model.parts import SEPARATOR
+from kestrel_core.serve.bodies import RequestBody
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.offload import json_body, off_loop
-from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
+from kestrel_core.serve.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served

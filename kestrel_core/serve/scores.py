@@ -24,9 +24,10 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.embed import check_input
 from kestrel_core.model.rerank import RerankPrompt, is_reranker, relevance
 from kestrel_core.serve import generation
+from kestrel_core.serve.bodies import RequestBody
 from kestrel_core.serve.errors import APIError, from_kestrel_error
 from kestrel_core.serve.offload import json_body
-from kestrel_core.serve.protocol import MAX_INPUTS, RequestBody
+from kestrel_core.serve.protocol import MAX_INPUTS
 from kestrel_core.serve.responses import new_id
 
 if TYPE_CHECKING:

@@ -19,9 +19,10 @@ from fastapi import FastAPI, Request
 from pydantic import StrictBool, StrictInt, StrictStr
 
 from kestrel_core.errors import KestrelError
+from kestrel_core.serve.bodies import RequestBody
 from kestrel_core.serve.errors import APIError, from_kestrel_error, validated
 from kestrel_core.serve.offload import json_body, off_loop
-from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
+from kestrel_core.serve.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
