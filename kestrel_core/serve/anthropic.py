@@ -6,10 +6,13 @@ turn's ``tool_result`` blocks as tool messages, an assistant turn's ``tool_use``
 tool calls and reasoning, ``tools`` as functions, ``tool_choice`` auto / any / tool / none as auto / required /
 a named function / none, ``thinking`` enabled or disabled as the template's ``enable_thinking`` (adaptive: the
 template's default), ``output_config.format`` (a JSON Schema) as a JSON response format; ``temperature``, ``top_p``
-and ``top_k``, which the current SDKs no longer send, are read where a client sends them. The answer comes
-back as Anthropic's content blocks (``thinking``, ``text``, ``tool_use``), whole or as Anthropic's event stream
-(``message_start``, a ``content_block_start`` / ``_delta`` / ``_stop`` run a block, ``message_delta`` with the
-stop reason and the output tokens, ``message_stop``). Stop reasons: ``end_turn``, ``max_tokens``, ``tool_use``,
+and ``top_k``, which the current SDKs no longer send, are read where a client sends them. What Anthropic's API
+refuses is refused with its words, though the chat request would take it: a ``temperature`` or ``top_p`` outside
+[0, 1], a block without the fields its kind needs, a ``tool_use`` whose ``tool_result`` is not in the next turn or a
+``tool_result`` whose ``tool_use`` is not in the turn before, an empty message but the last assistant one. The answer
+comes back as Anthropic's content blocks (``thinking``, ``text``, ``tool_use``), whole or as Anthropic's event
+stream (``message_start``, a ``content_block_start`` / ``_delta`` / ``_stop`` run a block, ``message_delta`` with
+the stop reason and the output tokens, ``message_stop``). Stop reasons: ``end_turn``, ``max_tokens``, ``tool_use``,
 ``stop_sequence`` with the sequence that ended the answer, and ``model_context_window_exceeded``. Thinking
 blocks carry an empty signature: nothing here signs them. Errors are Anthropic's ``{"type": "error", "error":
 {"type", "message"}}`` (a server at capacity: its 529 overloaded_error); the model is one the server serves, by its
@@ -108,7 +111,10 @@ class MessagesBody(RequestBody):
     metadata: dict[str, Any] | None = None
 
     def openai(self, stream: bool) -> dict[str, Any]:
+        self._check_sampling()
         messages: list[dict[str, Any]] = []
+        if isinstance(self.system, list):
+            _check_blocks(self.system, "system")
         if self.system:
             messages.append({"role": "system", "content": _text(self.system, "system")})
         turns: list[tuple[int, Message]] = []  # consecutive messages of one role are one turn, as Anthropic has it
@@ -116,11 +122,17 @@ class MessagesBody(RequestBody):
             if isinstance(m.content, list) and not m.content:
                 raise APIError(400, f"messages.[{i}].content must hold at least one block",
                                param=f"messages.[{i}].content")
+            if m.content == "" and not (i == len(self.messages) - 1 and m.role == "assistant"):
+                raise APIError(400, f"messages.[{i}]: all messages must have non-empty content except for the "
+                               "optional final assistant message", param=f"messages.[{i}]")
+            if isinstance(m.content, list):
+                _check_blocks(m.content, f"messages.[{i}].content")
             if turns and turns[-1][1].role == m.role:
                 first, turn = turns[-1]
                 turns[-1] = first, Message(role=m.role, content=_as_blocks(turn.content) + _as_blocks(m.content))
             else:
                 turns.append((i, m))
+        _check_tool_results(self.messages)
         for i, m in turns:
             messages.extend(_openai_messages(m, f"messages.[{i}].content"))
         choice = self.tool_choice
@@ -160,6 +172,66 @@ class MessagesBody(RequestBody):
                                       "json_schema": {"name": "output", "schema": self.output_config.format.schema_}}
         return out
 
+    def _check_sampling(self) -> None:
+        """Anthropic's ranges, narrower than the chat request's: ``temperature`` and ``top_p`` in [0, 1], ``top_k``
+        from 0 (the chat request's -1 is vLLM's), stop sequences of more than blanks."""
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 1:
+                raise APIError(400, f"{name}: range: 0..1", param=name)
+        if self.top_k is not None and self.top_k < 0:
+            raise APIError(400, f"top_k: must be at least 0, got {self.top_k}", param="top_k")
+        if any(not s.strip() for s in self.stop_sequences or ()):
+            raise APIError(400, "stop_sequences: each stop sequence must contain non-whitespace",
+                           param="stop_sequences")
+
+
+# the fields each kind of block needs, as Anthropic's API requires them
+REQUIRED_FIELDS = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",),
+                   "thinking": ("thinking",)}
+
+
+def _check_blocks(blocks: list[Block], where: str) -> None:
+    """Each block has the fields its kind needs (a tool result's blocks too); ``where``: the list's field."""
+    for k, block in enumerate(blocks):
+        for name in REQUIRED_FIELDS.get(block.type, ()):
+            if getattr(block, name) is None:
+                raise APIError(400, f"{where}.[{k}].{name}: Field required", param=f"{where}.[{k}].{name}")
+        if isinstance(block.content, list):
+            _check_blocks(block.content, f"{where}.[{k}].content")
+
+
+def _check_tool_results(messages: list[Message]) -> None:
+    """Anthropic's pairing of calls and results: each ``tool_use`` of an assistant turn has its ``tool_result`` in
+    the next turn, a user's, and each ``tool_result`` answers a ``tool_use`` of the turn before (a turn: consecutive
+    messages of one role). A conversation may not end with calls: their results are what would come next."""
+    turns: list[list[tuple[int, int, Block]]] = []  # each turn's blocks: (message index, block index, block)
+    for i, m in enumerate(messages):
+        blocks = [(i, k, b) for k, b in enumerate(m.content)] if isinstance(m.content, list) else []
+        if i and messages[i - 1].role == m.role:
+            turns[-1].extend(blocks)
+        else:
+            turns.append(blocks)
+    for t, turn in enumerate(turns):
+        role = messages[turn[0][0]].role if turn else None
+        if role == "user":
+            asked = {b.id for _, _, b in turns[t - 1] if b.type == "tool_use"} if t else set()
+            for i, k, b in turn:
+                if b.type == "tool_result" and b.tool_use_id not in asked:
+                    raise APIError(400, f"messages.[{i}].content.[{k}]: unexpected `tool_use_id` found in "
+                                   f"`tool_result` blocks: {b.tool_use_id}. Each `tool_result` block must have a "
+                                   "corresponding `tool_use` block in the previous message.",
+                                   param=f"messages.[{i}].content.[{k}]")
+        elif role == "assistant":
+            after = turns[t + 1] if t + 1 < len(turns) else []
+            answered = {b.tool_use_id for _, _, b in after if b.type == "tool_result"}
+            missing = [(i, b.id) for i, _, b in turn if b.type == "tool_use" and b.id not in answered]
+            if missing:
+                raise APIError(400, f"messages.[{missing[0][0]}]: `tool_use` ids were found without `tool_result` "
+                               f"blocks immediately after: {', '.join(str(id_) for _, id_ in missing)}. Each "
+                               "`tool_use` block must have a corresponding `tool_result` block in the next message.",
+                               param=f"messages.[{missing[0][0]}]")
+
 
 def _text(content: str | list[Block], where: str) -> str:
     """The text of a string or of text blocks (any other block is refused, naming where)."""
@@ -197,11 +269,11 @@ def _openai_messages(m: Message, where: str) -> list[dict[str, Any]]:
             texts.append(block.text or "")
         elif block.type == "tool_result" and m.role == "user":
             result = _text(block.content or "", where)
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                         "content": f"Error: {result}" if block.is_error else result})
         elif block.type == "tool_use" and m.role == "assistant":
-            calls.append({"id": block.id or f"toolu_{len(calls)}", "type": "function",
-                          "function": {"name": block.name or "", "arguments": json.dumps(block.input or {})}})
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": json.dumps(block.input)}})
         elif block.type == "thinking" and m.role == "assistant":
             thinking.append(block.thinking or "")
         elif block.type != "redacted_thinking":

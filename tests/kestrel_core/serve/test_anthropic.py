@@ -28,6 +28,9 @@ HI = [{"role": "user", "content": "Hi"}]
 GREEDY = {"extra_body": {"temperature": 0}}  # the current SDK no longer sends temperature itself
 TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"],
         "input_schema": WEATHER["function"]["parameters"]}
+CALL = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                         "input": {"city": "Paris"}}]}
+RESULT = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "22 C"}]}
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +102,37 @@ def test_a_last_assistant_turn_is_continued(an: anthropic.Anthropic, client: ope
      "invalid_request_error", "tool_choice.name is required"),
     ({"model": NAME, "max_tokens": 5, "messages": [{"role": "user", "content": []}]}, 400, "invalid_request_error",
      "messages.[0].content must hold at least one block"),
+    # what Anthropic's API refuses and the chat request would take
+    ({"model": NAME, "max_tokens": 5, "messages": HI, "temperature": 1.5}, 400, "invalid_request_error",
+     "temperature: range: 0..1"),
+    ({"model": NAME, "max_tokens": 5, "messages": HI, "temperature": -0.5}, 400, "invalid_request_error",
+     "temperature: range: 0..1"),
+    ({"model": NAME, "max_tokens": 5, "messages": HI, "top_p": 1.5}, 400, "invalid_request_error",
+     "top_p: range: 0..1"),
+    ({"model": NAME, "max_tokens": 5, "messages": HI, "top_k": -1}, 400, "invalid_request_error",
+     "top_k: must be at least 0"),
+    ({"model": NAME, "max_tokens": 5, "messages": HI, "stop_sequences": ["\n"]}, 400, "invalid_request_error",
+     "stop_sequences: each stop sequence must contain non-whitespace"),
+    ({"model": NAME, "max_tokens": 5, "messages": [{"role": "user", "content": ""}, {"role": "assistant",
+                                                                                   "content": "x"}, *HI]},
+     400, "invalid_request_error", "messages.[0]: all messages must have non-empty content"),
+    ({"model": NAME, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "invalid_request_error", "messages.[0].content.[0].text: Field required"),
+    ({"model": NAME, "max_tokens": 5, "messages": HI, "system": [{"type": "text"}]}, 400, "invalid_request_error",
+     "system.[0].text: Field required"),
+    ({"model": NAME, "max_tokens": 5, "messages": [*HI, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "input": {}}]}, RESULT]}, 400, "invalid_request_error",
+     "messages.[1].content.[0].name: Field required"),
+    ({"model": NAME, "max_tokens": 5, "messages": [*HI, CALL, {"role": "user", "content": [
+        {"type": "tool_result", "content": "22 C"}]}]}, 400, "invalid_request_error",
+     "messages.[2].content.[0].tool_use_id: Field required"),
+    ({"model": NAME, "max_tokens": 5, "messages": [*HI, CALL]}, 400, "invalid_request_error",
+     "messages.[1]: `tool_use` ids were found without `tool_result` blocks immediately after: toolu_1."),
+    ({"model": NAME, "max_tokens": 5, "messages": [*HI, CALL, *HI]}, 400, "invalid_request_error",
+     "messages.[1]: `tool_use` ids were found without `tool_result` blocks immediately after: toolu_1."),
+    ({"model": NAME, "max_tokens": 5, "messages": [*HI, CALL, RESULT, {"role": "assistant", "content": "x"}, RESULT]},
+     400, "invalid_request_error", "messages.[4].content.[0]: unexpected `tool_use_id` found in `tool_result` blocks: "
+     "toolu_1."),
 ])
 def test_bad_requests_get_anthropics_error(server: KestrelServer, body: dict[str, Any], status: int, kind: str,
                                            needle: str) -> None:
@@ -106,6 +140,15 @@ def test_bad_requests_get_anthropics_error(server: KestrelServer, body: dict[str
     error = json.loads(raw)
     assert got == status and error["type"] == "error" and error["error"]["type"] == kind
     assert needle in error["error"]["message"]
+
+
+def test_calls_answered_in_the_next_turn_are_taken(an: anthropic.Anthropic) -> None:
+    """Anthropic's consecutive messages of one role are one turn: results in two user messages answer the calls of
+    two assistant messages before them."""
+    second = {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Rome"}}
+    messages = [*HI, CALL, {"role": "assistant", "content": [second]}, RESULT, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_2", "content": "18 C"}, {"type": "text", "text": "And?"}]}]
+    assert an.messages.count_tokens(model=NAME, messages=messages).input_tokens > 0
 
 
 def test_a_client_that_leaves_a_stream_frees_its_sequence(an: anthropic.Anthropic, async_engine: AsyncEngine,
