@@ -1,0 +1,204 @@
+"""Ollama's requests (``/api/*``), read as Ollama's Go server reads them, and their translation into the OpenAI
+requests kestrel answers (serve/ollama.py has the routes and the answers).
+
+A field sent as null is one not sent; an integer option may come as an integral number; a sampling option not given
+takes the model's recommendation, else Ollama's default, and one past its sampler's range is read as Ollama's
+sampler reads it. Ollama's messages' tool calls have no ids: each gets one made from where it stands.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from kestrel_core.model.reasoning import think_kwargs
+from kestrel_core.model.sampling import MAX_TOP_LOGPROBS
+from kestrel_core.serve.bodies import NullsAbsentBody
+from kestrel_core.serve.errors import APIError
+from kestrel_core.serve.tools import MISTRAL_FORMATS
+
+if TYPE_CHECKING:
+    from kestrel_core.serve.app import Served
+
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a Modelfile sets none
+OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}  # its options' names where they differ from kestrel's
+
+
+class OllamaBody(NullsAbsentBody):
+    """An Ollama request's object: a field sent as null is one not sent, as Go reads null (``"content": null`` is
+    no content, ``"stream": null`` the default)."""
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+def _whole_number(value: Any) -> Any:
+    """An integral float as the integer it is: Ollama reads its options from a JSON object, where 3.0 is 3."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+OptionInt = Annotated[StrictInt, BeforeValidator(_whole_number)]
+
+
+class Options(OllamaBody):
+    """The options kestrel honours; the rest of Ollama's are ignored."""
+
+    temperature: StrictFloat | StrictInt | None = None
+    top_p: StrictFloat | StrictInt | None = None
+    top_k: OptionInt | None = None
+    min_p: StrictFloat | StrictInt | None = None
+    repeat_penalty: StrictFloat | StrictInt | None = None  # over the prompt and the answer (Hugging Face's)
+    seed: OptionInt | None = None
+    num_predict: OptionInt | None = None  # 0 or less (-1, -2): until the context ends
+    stop: list[StrictStr] | None = None
+    presence_penalty: StrictFloat | StrictInt | None = None
+    frequency_penalty: StrictFloat | StrictInt | None = None
+
+
+class ToolFunction(OllamaBody):
+    name: StrictStr
+    arguments: dict[str, Any]
+
+
+class ToolCall(OllamaBody):
+    function: ToolFunction
+
+
+class Message(OllamaBody):
+    role: Annotated[Literal["system", "user", "assistant", "tool"], BeforeValidator(_lower)]  # Ollama lowers it
+    content: StrictStr = ""
+    images: list[StrictStr] | None = None
+    thinking: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: StrictStr | None = None
+
+
+class GenerationBody(OllamaBody):
+    model: StrictStr
+    format: Literal["json", ""] | dict[str, Any] | None = None  # "": none, as Ollama reads it
+    options: Options | None = None
+    stream: StrictBool = True
+    think: StrictBool | Literal["low", "medium", "high", "max"] | None = None  # a level: the reasoning effort
+    keep_alive: Any = None  # a model stays loaded while the server runs
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # each token's alternatives
+
+    def chat_logprobs(self) -> dict[str, Any]:
+        """The chat request's logprobs fields (Ollama's top_logprobs count only with logprobs)."""
+        return {"logprobs": True, "top_logprobs": self.top_logprobs} if self.logprobs else {}
+
+    def sampling(self, stream: bool, recommended: Mapping[str, float]) -> dict[str, Any]:
+        """The OpenAI request's sampling fields: an option not given takes the model's ``recommended`` value,
+        else Ollama's default (as a Modelfile's parameters override Ollama's)."""
+        o = self.options or Options()
+        default = {**DEFAULTS, **recommended}
+        top_p = float(default["top_p"] if o.top_p is None else o.top_p)
+        top_k = int(default["top_k"] if o.top_k is None else o.top_k)
+        # values past a sampler's range are read as Ollama's sampler reads them: a temperature below 0 is greedy,
+        # a top_p of 0 or less keeps the most likely token alone (top-k 1), and one above 1 or a top_k below 0
+        # filters nothing
+        fields: dict[str, Any] = {
+            "temperature": max(0.0, float(default["temperature"] if o.temperature is None else o.temperature)),
+            "top_p": min(top_p, 1.0) if top_p > 0 else 1.0, "top_k": max(top_k, 0) if top_p > 0 else 1,
+            "seed": None if o.seed is not None and o.seed < 0 else o.seed, "stop": o.stop,  # -1: random, Ollama's
+            "min_p": None if o.min_p is None else min(max(float(o.min_p), 0.0), 1.0),
+            "repetition_penalty": o.repeat_penalty,
+            "stream": stream, "stream_options": {"include_usage": True} if stream else None}
+        if o.presence_penalty is not None:
+            fields["presence_penalty"] = float(o.presence_penalty)
+        if o.frequency_penalty is not None:
+            fields["frequency_penalty"] = float(o.frequency_penalty)
+        if o.num_predict is not None and o.num_predict > 0:  # 0 and below: no limit but the context, as Ollama's
+            fields["max_tokens"] = o.num_predict
+        return fields
+
+    def response_format(self) -> dict[str, Any] | None:
+        if self.format == "json":
+            return {"type": "json_object"}
+        if isinstance(self.format, dict):
+            return {"type": "json_schema", "json_schema": {"name": "format", "schema": self.format}}
+        return None
+
+    def template_kwargs(self, harmony: bool) -> dict[str, Any] | None:
+        """The template's variables for ``think`` (``harmony``: the template is gpt-oss's)."""
+        return think_kwargs(self.think, harmony)
+
+
+class ChatBody(GenerationBody):
+    messages: list[Message] = []
+    tools: list[dict[str, Any]] | None = None
+    truncate: StrictBool = True  # a conversation past the context loses its oldest messages, as Ollama's
+
+    def openai(self, served: Served) -> dict[str, Any]:
+        """The OpenAI chat request to ``served``: its recommended sampling, the tool format its template takes
+        (which the ids of earlier calls must suit) and whether the template is gpt-oss's."""
+        messages = _openai_messages(self.messages, served.tool_format)
+        recommended = served.engine.sampling_defaults
+        return {"messages": messages, "tools": self.tools, "response_format": self.response_format(),
+                "chat_template_kwargs": self.template_kwargs(served.harmony), **self.chat_logprobs(),
+                **self.sampling(self.stream, recommended)}
+
+
+class GenerateBody(GenerationBody):
+    prompt: StrictStr = ""
+    suffix: StrictStr | None = None
+    system: StrictStr | None = None
+    raw: StrictBool = False
+    images: list[StrictStr] | None = None
+    template: StrictStr | None = None
+    context: list[StrictInt] | None = None
+
+
+class EmbedBody(OllamaBody):
+    model: StrictStr
+    input: StrictStr | list[StrictStr] = ""  # none: what clients send to load the model
+    truncate: StrictBool = True
+    dimensions: StrictInt | None = None  # 0 or past the model's size: none, as Ollama ignores it
+
+
+class LegacyEmbeddingsBody(OllamaBody):
+    model: StrictStr
+    prompt: StrictStr = ""
+
+
+class ShowBody(OllamaBody):
+    model: StrictStr | None = None
+    name: StrictStr | None = None  # the older field
+
+
+def _openai_messages(messages: list[Message], tool_format: str | None) -> list[dict[str, Any]]:
+    """Ollama's messages as OpenAI's. Ollama's calls have no ids, so each gets one made from where it stands (the
+    same prompt each time a conversation is sent again), in the shape ``tool_format``'s template takes; a tool
+    result answers the earliest unanswered call of its ``tool_name``, or the earliest unanswered one."""
+    out: list[dict[str, Any]] = []
+    unanswered: list[tuple[str, str]] = []  # (id, name) of the calls no result has answered yet
+    for i, m in enumerate(messages):
+        if m.images:
+            raise APIError(400, "images are not supported (kestrel serves text models)", param="messages")
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.thinking:
+            message["reasoning_content"] = m.thinking
+        if m.tool_calls:
+            ids = [_call_id(tool_format, i, k) for k in range(len(m.tool_calls))]
+            message["tool_calls"] = [{"id": id_, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.dumps(c.function.arguments)}}
+                for id_, c in zip(ids, m.tool_calls)]
+            unanswered = [(id_, c.function.name) for id_, c in zip(ids, m.tool_calls)]
+        if m.role == "tool":
+            match = next((c for c in unanswered if c[1] == m.tool_name), unanswered[0] if unanswered else None)
+            if match is not None:
+                unanswered.remove(match)
+            message["tool_call_id"] = match[0] if match else _call_id(tool_format, i, 0)
+            if m.tool_name:
+                message["name"] = m.tool_name
+        out.append(message)
+    return out
+
+
+def _call_id(tool_format: str | None, message: int, call: int) -> str:
+    """The id of call ``call`` of message ``message``: nine letters and digits for Mistral's templates."""
+    return f"c{message % 10**5:05d}{call % 10**3:03d}" if tool_format in MISTRAL_FORMATS else f"call_{message}_{call}"
