@@ -47,6 +47,7 @@ from kestrel_core.serve.ollama_requests import (
     GenerationBody,
     LegacyEmbeddingsBody,
     ShowBody,
+    model_required,
 )
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from kestrel_core.serve.tools import arguments_object
@@ -218,7 +219,7 @@ def install(app: FastAPI, models: Models) -> None:
 
     @app.post("/api/chat")
     async def chat(body: Annotated[ChatBody, json_body(ChatBody)], request: Request) -> Response:
-        served = model_of(models, body.model)
+        served = model_of(models, model_required(body.model))
         _check_think(body, served)
         if not body.messages:  # a client loading (or unloading) the model: it stays loaded while serving
             return _loaded(_Answer(served, request, "message"), body.keep_alive)
@@ -279,7 +280,7 @@ def install(app: FastAPI, models: Models) -> None:
     @app.post("/api/embeddings")
     async def embeddings(body: Annotated[LegacyEmbeddingsBody, json_body(LegacyEmbeddingsBody)],
                          request: Request) -> Response:
-        served = model_of(models, body.model)
+        served = model_of(models, model_required(body.model))
         if not body.prompt:  # what clients send to load the model
             return JSONResponse({"embedding": []})
         openai = await off_loop(request, lambda: validated(EmbeddingRequest, {"input": body.prompt}))
@@ -299,7 +300,7 @@ def install(app: FastAPI, models: Models) -> None:
 
     @app.post("/api/show")
     async def show(body: Annotated[ShowBody, json_body(ShowBody)]) -> dict[str, Any]:
-        return show_model(model_of(models, body.model or body.name or ""))
+        return show_model(model_of(models, model_required(body.model or body.name)))
 
     @app.get("/api/version")
     async def version() -> dict[str, str]:

@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BeforeValidator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 from kestrel_core.model.reasoning import think_kwargs
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS
@@ -42,10 +42,17 @@ def _whole_number(value: Any) -> Any:
 
 
 OptionInt = Annotated[StrictInt, BeforeValidator(_whole_number)]
+# the type of each of Ollama's options (its api.Options and api.Runner), as its Options.FromMap checks them
+OPTION_TYPES = {**dict.fromkeys(("num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "num_ctx", "num_batch",
+                                 "num_gpu", "main_gpu", "num_thread"), "integer"),
+                **dict.fromkeys(("top_p", "min_p", "typical_p", "temperature", "repeat_penalty", "presence_penalty",
+                                 "frequency_penalty"), "float32"),
+                "use_mmap": "boolean", "stop": "array"}
 
 
 class Options(OllamaBody):
-    """The options kestrel honours; the rest of Ollama's are ignored."""
+    """The options kestrel honours; the rest of Ollama's are ignored, but each of Ollama's options must be of its
+    type, as Ollama refuses one that is not (a JSON number for a number, integer or not)."""
 
     temperature: StrictFloat | StrictInt | None = None
     top_p: StrictFloat | StrictInt | None = None
@@ -57,6 +64,21 @@ class Options(OllamaBody):
     stop: list[StrictStr] | None = None
     presence_penalty: StrictFloat | StrictInt | None = None
     frequency_penalty: StrictFloat | StrictInt | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ollamas_types(cls, data: Any) -> Any:
+        for key, value in data.items() if isinstance(data, dict) else ():
+            kind = OPTION_TYPES.get(key)
+            if kind is None or value is None:
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not {"integer": number, "float32": number, "boolean": isinstance(value, bool),
+                    "array": isinstance(value, list)}[kind]:
+                raise APIError(400, f'option "{key}" must be of type {kind}', param=f"options.{key}")
+            if kind == "array" and not all(isinstance(item, str) for item in value):
+                raise APIError(400, f'option "{key}" must be of an array of strings', param=f"options.{key}")
+        return data
 
 
 class ToolFunction(OllamaBody):
@@ -78,8 +100,8 @@ class Message(OllamaBody):
 
 
 class GenerationBody(OllamaBody):
-    model: StrictStr
-    format: Literal["json", ""] | dict[str, Any] | None = None  # "": none, as Ollama reads it
+    model: StrictStr = ""  # none: chat's 400 (``model_required``), generate's 404, as Ollama answers them
+    format: Any = None  # "json", a JSON Schema; "": none, as Ollama reads it (``response_format``)
     options: Options | None = None
     stream: StrictBool = True
     think: StrictBool | Literal["low", "medium", "high", "max"] | None = None  # a level: the reasoning effort
@@ -117,11 +139,16 @@ class GenerationBody(OllamaBody):
         return fields
 
     def response_format(self) -> dict[str, Any] | None:
+        """The OpenAI request's: a JSON object for ``"json"``, the schema's for a schema; anything else is refused in
+        Ollama's words, which quote the value as JSON in a Go string."""
+        if self.format is None or self.format == "":
+            return None
         if self.format == "json":
             return {"type": "json_object"}
         if isinstance(self.format, dict):
             return {"type": "json_schema", "json_schema": {"name": "format", "schema": self.format}}
-        return None
+        raw = json.dumps(json.dumps(self.format, ensure_ascii=False, separators=(",", ":")), ensure_ascii=False)
+        raise APIError(400, f'invalid format: {raw}; expected "json" or a valid JSON Schema object', param="format")
 
     def template_kwargs(self, harmony: bool) -> dict[str, Any] | None:
         """The template's variables for ``think`` (``harmony``: the template is gpt-oss's)."""
@@ -154,20 +181,28 @@ class GenerateBody(GenerationBody):
 
 
 class EmbedBody(OllamaBody):
-    model: StrictStr
+    model: StrictStr = ""  # none: the 404 of a model not found, as Ollama answers it
     input: StrictStr | list[StrictStr] = ""  # none: what clients send to load the model
     truncate: StrictBool = True
     dimensions: StrictInt | None = None  # 0 or past the model's size: none, as Ollama ignores it
 
 
 class LegacyEmbeddingsBody(OllamaBody):
-    model: StrictStr
+    model: StrictStr = ""  # none: as Ollama answers it (``model_required``)
     prompt: StrictStr = ""
 
 
 class ShowBody(OllamaBody):
-    model: StrictStr | None = None
-    name: StrictStr | None = None  # the older field
+    model: StrictStr = ""
+    name: StrictStr = ""  # the older field
+
+
+def model_required(name: str) -> str:
+    """``name``, where it names a model: Ollama's show, chat and embeddings routes answer none (empty or blanks) with
+    a 400 "model is required" (its generate and embed routes with the 404 of a model not found)."""
+    if not name.strip():
+        raise APIError(400, "model is required", param="model")
+    return name
 
 
 def _openai_messages(messages: list[Message], tool_format: str | None) -> list[dict[str, Any]]:

@@ -87,6 +87,24 @@ def test_an_unknown_model_is_404(ol: ollama.Client) -> None:
         assert info.value.status_code == 404 and "model 'llama3.2' not found" in info.value.error
 
 
+@pytest.mark.parametrize(("route", "body", "status", "error"), [
+    ("show", {}, 400, "model is required"), ("show", {"model": ""}, 400, "model is required"),
+    ("chat", {"messages": HI}, 400, "model is required"), ("chat", {"model": "", "messages": HI}, 400,
+                                                           "model is required"),
+    ("embeddings", {"prompt": "x"}, 400, "model is required"),
+    # Ollama's generate and embed routes answer it as a model not found
+    ("generate", {"prompt": "x"}, 404, "model '' not found"), ("embed", {"input": "x"}, 404, "model '' not found"),
+])
+def test_a_request_without_a_model_is_answered_as_ollama_answers_it(server: KestrelServer, route: str,
+                                                                    body: dict[str, Any], status: int,
+                                                                    error: str) -> None:
+    got, _, raw = http("POST", f"{server.url}/api/{route}", {"stream": False, **body})
+    answer = json.loads(raw)
+    assert got == status and set(answer) == {"error"} and answer["error"].startswith(error)
+    shown, _, raw = http("POST", f"{server.url}/api/show", {"name": "tiny"})  # the older field names it too
+    assert shown == 200 and json.loads(raw)["details"]["family"] == "qwen3"
+
+
 # -- chat and generate ----------------------------------------------------------------------------------
 
 
@@ -310,8 +328,17 @@ def test_a_json_schema_format_shapes_the_answer(ol: ollama.Client) -> None:
 
 @pytest.mark.parametrize(("call", "needle"), [
     ({"messages": [{"role": "user", "content": "Hi", "images": ["aGk="]}]}, "images are not supported"),
-    ({"messages": HI, "options": {"temperature": "hot"}}, "options.temperature must be"),  # Ollama's names
-    ({"messages": HI, "options": {"repeat_penalty": 11}}, "options.repeat_penalty must be in (0, 10]"),
+    ({"messages": HI, "options": {"repeat_penalty": 11}}, "options.repeat_penalty must be in (0, 10]"),  # its names
+    # an option of the wrong type, in Ollama's words (Options.FromMap's), kestrel's options and the ones it ignores
+    ({"messages": HI, "options": {"temperature": "hot"}}, 'option "temperature" must be of type float32'),
+    ({"messages": HI, "options": {"top_k": True}}, 'option "top_k" must be of type integer'),
+    ({"messages": HI, "options": {"stop": "x"}}, 'option "stop" must be of type array'),
+    ({"messages": HI, "options": {"stop": ["x", 1]}}, 'option "stop" must be of an array of strings'),
+    ({"messages": HI, "options": {"num_ctx": "4k"}}, 'option "num_ctx" must be of type integer'),
+    ({"messages": HI, "options": {"use_mmap": 1}}, 'option "use_mmap" must be of type boolean'),
+    # a format that is neither "json" nor a schema: Ollama's words, the value quoted as Go's %q quotes its JSON
+    ({"messages": HI, "format": "xml"}, 'invalid format: "\\"xml\\""; expected "json" or a valid JSON Schema object'),
+    ({"messages": HI, "format": 5}, 'invalid format: "5"; expected "json" or a valid JSON Schema object'),
     ({"messages": HI, "think": True}, '"tiny" does not support thinking'),  # as Ollama answers it
     ({"messages": [{"role": "robot", "content": "Hi"}]}, "role"),
 ])
@@ -320,6 +347,14 @@ def test_bad_chat_requests_are_400_with_ollamas_error(server: KestrelServer, cal
     status, _, raw = http("POST", f"{server.url}/api/chat", {"model": "tiny", "stream": False, **call})
     body = json.loads(raw)
     assert status == 400 and set(body) == {"error"} and needle in body["error"]
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_generate_refuses_a_format_in_ollamas_words(server: KestrelServer, raw: bool) -> None:
+    status, _, answer = http("POST", f"{server.url}/api/generate", {"model": "tiny", "prompt": "Hi", "raw": raw,
+                                                                    "format": "xml", "stream": False})
+    assert status == 400 and json.loads(answer) == {
+        "error": 'invalid format: "\\"xml\\""; expected "json" or a valid JSON Schema object'}
 
 
 def test_a_client_that_leaves_a_stream_frees_its_sequence(ol: ollama.Client, async_engine: AsyncEngine,
