@@ -77,8 +77,10 @@ class SamplingParams:
                       f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2 ** 63):
             raise bad("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
-        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
             raise bad("stop", f"must be a tuple of non-empty strings, got {self.stop!r}")
+        if not all(self.stop):  # vLLM's words: the empty string ends every answer before it begins
+            raise bad("stop", "cannot contain an empty string")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if isinstance(self.stop_token_ids, tuple) and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -98,8 +100,10 @@ class SamplingParams:
             raise bad("logit_bias", f"must hold at most {MAX_LOGIT_BIAS} (token id, bias) pairs")
         for pair in self.logit_bias:
             if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
-                    and _is_number(pair[1]) and -100 <= pair[1] <= 100):
+                    and _is_number(pair[1])):
                 raise bad("logit_bias", f"must map token ids >= 0 to numbers in [-100, 100], got {pair!r}")
+            if not -100 <= pair[1] <= 100:
+                raise bad("logit_bias", f"values must be in [-100, 100], got {pair[1]:g} for token {pair[0]}")
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise bad("grammar", f"must be llguidance's grammar text, got {type(self.grammar).__name__}")
         if self.grammar is not None and self.min_tokens:
