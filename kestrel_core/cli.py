@@ -374,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (kernel compiles, caches; --concurrency "
                    "warms up with two short requests of its own)")
     p.add_argument("--concurrency", default=None, metavar="N,N,...",
-                   help="continuous batching at these concurrency levels (e.g. 1,8,32,64) instead of batch 1")
+                   help="continuous batching at these concurrency levels (e.g. 1,8,32,64; each at most 4096) "
+                   "instead of batch 1")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
     for command in sub.choices.values():  # -v after the command too (kestrel serve -v), not only before it

@@ -30,7 +30,7 @@ from kestrel_core.model.harmony import HarmonyStream, is_harmony
 from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, reasoning_markers, think_kwargs
 from kestrel_core.model.rerank import is_reranker
 from kestrel_core.model.speculate import DRAFT_MIN, DRAFT_P_MIN
-from kestrel_core.model.validate import read_line_stdin, read_text_stdin
+from kestrel_core.model.validate import concurrency_levels, read_line_stdin, read_text_stdin
 
 
 def _open_engine(args: argparse.Namespace) -> Engine:
@@ -529,22 +529,12 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _concurrency_levels(text: str) -> list[int]:
-    try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise KestrelError(f"--concurrency takes integers separated by commas, got {text!r}") from None
-    if not levels or min(levels) < 1:
-        raise KestrelError(f"--concurrency levels must be >= 1, got {text!r}")
-    return levels
-
-
 def _bench_concurrency(args: argparse.Namespace) -> int:
     from kestrel_core.model.bench import run_concurrency_bench
     from kestrel_core.model.kv_pool import bytes_per_position
     from kestrel_core.model.quantize import model_quant
 
-    levels = _concurrency_levels(args.concurrency)
+    levels = concurrency_levels(args.concurrency)
     with _open_engine(args) as engine:
         need = max(levels) * engine.pool.blocks_for(args.prompt_tokens + args.decode_tokens + 1)
         if need > engine.pool.num_blocks:

@@ -324,6 +324,22 @@ CLI_TEXT = ("host", "served_model_name", "api_key", "quant", "backend", "model",
             "concurrency", "draft_model")
 _POSITIONAL = {"prompt": "the prompt", "texts": "a text to embed"}
 _PATHS = frozenset({"model", "output", "lora", "draft_model"})
+# ``bench --concurrency``'s streams of one level, at most: each decode step's logits are a row a stream, and 4,096
+# rows of a 152k-token vocabulary (Qwen's) are 2.5 GB of float32
+MAX_CONCURRENCY = 4096
+
+
+def concurrency_levels(text: str) -> list[int]:
+    """``bench --concurrency``'s levels, ``N,N,...``: each an integer in [1, MAX_CONCURRENCY]."""
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise KestrelError(f"--concurrency takes integers separated by commas, got {text!r}") from None
+    bad = next((n for n in levels if not 1 <= n <= MAX_CONCURRENCY), None)
+    if not levels or bad is not None:
+        raise KestrelError(f"--concurrency: each level must be an integer in [1, {MAX_CONCURRENCY}], got "
+                           f"{text if bad is None else bad!r}")
+    return levels
 
 
 def check_cli_args(args: Any) -> None:
@@ -349,6 +365,8 @@ def check_cli_args(args: Any) -> None:
         for one in value if isinstance(value, list) else [value]:  # a repeatable option: each value
             if one is not None and not str(one).strip():
                 raise KestrelError(f"--{name.replace('_', '-')}: {name} must not be empty, got {one!r}")
+    if getattr(args, "concurrency", None):
+        concurrency_levels(args.concurrency)
     if getattr(args, "draft_model", None) is not None and not getattr(args, "speculate", 0):
         raise KestrelError("--draft-model guesses the --speculate N tokens a step: give --speculate too")
     if getattr(args, "draft_p_min", None) is not None and getattr(args, "draft_model", None) is None:
