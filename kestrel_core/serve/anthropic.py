@@ -8,11 +8,12 @@ a named function / none, ``thinking`` enabled or disabled as the template's ``en
 template's default), ``output_config.format`` (a JSON Schema) as a JSON response format; ``temperature``, ``top_p``
 and ``top_k``, which the current SDKs no longer send, are read where a client sends them. What Anthropic's API
 refuses is refused with its words, though the chat request would take it: a ``temperature`` or ``top_p`` outside
-[0, 1], a block without the fields its kind needs, a ``tool_use`` whose ``tool_result`` is not in the next turn or a
-``tool_result`` whose ``tool_use`` is not in the turn before, an empty message but the last assistant one. The answer
-comes back as Anthropic's content blocks (``thinking``, ``text``, ``tool_use``), whole or as Anthropic's event
-stream (``message_start``, a ``content_block_start`` / ``_delta`` / ``_stop`` run a block, ``message_delta`` with
-the stop reason and the output tokens, ``message_stop``). Stop reasons: ``end_turn``, ``max_tokens``, ``tool_use``,
+[0, 1], enabled thinking without a ``budget_tokens`` of at least 1024, a block without the fields its kind needs, a
+``tool_use`` whose ``tool_result`` is not in the next turn or a ``tool_result`` whose ``tool_use`` is not in the turn
+before, an empty message but the last assistant one. The answer comes back as Anthropic's content blocks
+(``thinking``, ``text``, ``tool_use``), whole or as Anthropic's event stream (``message_start``, a
+``content_block_start`` / ``_delta`` / ``_stop`` run a block, ``message_delta`` with the stop reason and the output
+tokens, ``message_stop``). Stop reasons: ``end_turn``, ``max_tokens``, ``tool_use``,
 ``stop_sequence`` with the sequence that ended the answer, and ``model_context_window_exceeded``. Thinking
 blocks carry an empty signature: nothing here signs them. Errors are Anthropic's ``{"type": "error", "error":
 {"type", "message"}}`` (a server at capacity: its 529 overloaded_error); the model is one the server serves, by its
@@ -46,6 +47,7 @@ ANTHROPIC_NAMES = {"stop": "stop_sequences", "response_format": "output_config.f
                    "chat_template_kwargs": "thinking", "tools.*.function.parameters": "tools.*.input_schema",
                    "tools.*.function": "tools.*"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 
 
 class Block(RequestBody):
@@ -184,6 +186,12 @@ class MessagesBody(RequestBody):
         if any(not s.strip() for s in self.stop_sequences or ()):
             raise APIError(400, "stop_sequences: each stop sequence must contain non-whitespace",
                            param="stop_sequences")
+        if self.thinking is not None and self.thinking.type == "enabled":  # the budget is no limit here, but given
+            budget = self.thinking.budget_tokens
+            if budget is None or budget < MIN_THINKING_BUDGET:
+                why = "Field required" if budget is None else \
+                    f"Input should be greater than or equal to {MIN_THINKING_BUDGET}"
+                raise APIError(400, f"thinking.enabled.budget_tokens: {why}", param="thinking.budget_tokens")
 
 
 # the fields each kind of block needs, as Anthropic's API requires them

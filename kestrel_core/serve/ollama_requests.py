@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import BeforeValidator, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
 from kestrel_core.model.reasoning import think_kwargs
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS
@@ -42,6 +42,7 @@ def _whole_number(value: Any) -> Any:
 
 
 OptionInt = Annotated[StrictInt, BeforeValidator(_whole_number)]
+THINK_LEVELS = ("high", "medium", "low", "max")  # in the order Ollama's error lists them
 # the type of each of Ollama's options (its api.Options and api.Runner), as its Options.FromMap checks them
 OPTION_TYPES = {**dict.fromkeys(("num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "num_ctx", "num_batch",
                                  "num_gpu", "main_gpu", "num_thread"), "integer"),
@@ -107,7 +108,26 @@ class GenerationBody(OllamaBody):
     think: StrictBool | Literal["low", "medium", "high", "max"] | None = None  # a level: the reasoning effort
     keep_alive: Any = None  # a model stays loaded while the server runs
     logprobs: StrictBool = False
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # each token's alternatives
+    top_logprobs: StrictInt = 0  # each token's alternatives
+
+    @field_validator("think", mode="before")
+    @classmethod
+    def _think_level(cls, value: Any) -> Any:
+        """A boolean or a level, refused otherwise in Ollama's words."""
+        levels = ", ".join(f'"{level}"' for level in THINK_LEVELS)
+        if isinstance(value, str) and value not in THINK_LEVELS:
+            raise APIError(400, f"invalid think value: {json.dumps(value, ensure_ascii=False)} (must be {levels}, "
+                           "true, or false)", param="think")
+        if not isinstance(value, (bool, str)):
+            raise APIError(400, f"think must be a boolean or string ({levels}, true, or false)", param="think")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int) -> int:
+        if not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
+        return value
 
     def chat_logprobs(self) -> dict[str, Any]:
         """The chat request's logprobs fields (Ollama's top_logprobs count only with logprobs)."""

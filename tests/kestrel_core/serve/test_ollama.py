@@ -339,6 +339,12 @@ def test_a_json_schema_format_shapes_the_answer(ol: ollama.Client) -> None:
     # a format that is neither "json" nor a schema: Ollama's words, the value quoted as Go's %q quotes its JSON
     ({"messages": HI, "format": "xml"}, 'invalid format: "\\"xml\\""; expected "json" or a valid JSON Schema object'),
     ({"messages": HI, "format": 5}, 'invalid format: "5"; expected "json" or a valid JSON Schema object'),
+    ({"messages": HI, "think": "deep"},
+     'invalid think value: "deep" (must be "high", "medium", "low", "max", true, or false)'),
+    ({"messages": HI, "think": 1},
+     'think must be a boolean or string ("high", "medium", "low", "max", true, or false)'),
+    ({"messages": HI, "top_logprobs": 21}, "top_logprobs must be between 0 and 20"),
+    ({"messages": HI, "top_logprobs": -1}, "top_logprobs must be between 0 and 20"),
     ({"messages": HI, "think": True}, '"tiny" does not support thinking'),  # as Ollama answers it
     ({"messages": [{"role": "robot", "content": "Hi"}]}, "role"),
 ])
