@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from starlette.responses import JSONResponse
 
 from kestrel_core.model.async_engine import AsyncEngine
-from kestrel_core.serve import app, offload, ollama, protocol
+from kestrel_core.serve import app, bodies, offload, ollama
 from kestrel_core.serve.offload import INLINE_BODY_BYTES, json_answer
 from kestrel_core.serve.protocol import ChatCompletionRequest
 from kestrel_core.serve.server import KestrelServer
@@ -79,8 +79,8 @@ def test_a_large_body_does_not_hold_up_health(server: KestrelServer, monkeypatch
     check of its strings every request body's model makes), ``/health`` answers; then the body's 400."""
     raw = json.dumps({"model": NAME, "prompt": [1] * 8000, "max_tokens": "x"}).encode()
     assert len(raw) > INLINE_BODY_BYTES
-    held = Held(protocol._lone_surrogate, lambda data: isinstance(data, dict) and data.get("max_tokens") == "x")
-    monkeypatch.setattr(protocol, "_lone_surrogate", held)
+    held = Held(bodies._lone_surrogate, lambda data: isinstance(data, dict) and data.get("max_tokens") == "x")
+    monkeypatch.setattr(bodies, "_lone_surrogate", held)
     status, answer = health_while_held(server, "/v1/completions", raw, held)
     assert status == 400 and answer["error"]["param"] == "max_tokens", answer
 
