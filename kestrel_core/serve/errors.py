@@ -135,16 +135,48 @@ def param_path(loc: Sequence[int | str]) -> str | None:
     return out or None
 
 
+# pydantic's type errors, and the types its union members are tagged with, as JSON names the values they want
+_JSON_TYPES = {"int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+               "float_type": "a number", "float_parsing": "a number", "string_type": "a string",
+               "bool_type": "a boolean", "bool_parsing": "a boolean", "list_type": "an array", "dict_type": "an object",
+               "model_type": "an object", "model_attributes_type": "an object"}
+_TAG_TYPES = {"str": ("a string", "strings"), "int": ("an integer", "integers"), "float": ("a number", "numbers"),
+              "bool": ("a boolean", "booleans"), "none": ("null", "nulls")}
+
+
+def _json_type(tag: str, plural: bool = False) -> str:
+    """A union member's tag as JSON names its values: "list[int]" -> "an array of integers", "literal['a','b']" ->
+    "one of 'a', 'b'", a model's class or a dict -> "an object"."""
+    if tag in _TAG_TYPES:
+        return _TAG_TYPES[tag][plural]
+    if tag.startswith("list[") and tag.endswith("]"):
+        return ("arrays of " if plural else "an array of ") + _json_type(tag[len("list["):-1], True)
+    if tag.startswith("literal[") and tag.endswith("]"):
+        return "one of " + tag[len("literal["):-1].replace("','", "', '")
+    return "objects" if plural else "an object"
+
+
+def _one_of(types: list[str]) -> str:
+    """``types`` as a phrase: "a string or an array of strings" (an integer is a number too)."""
+    kinds = [t for t in dict.fromkeys(types) if not (t == "an integer" and "a number" in types)]
+    return kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+
+
 def _message(param: str | None, errors: list[dict[str, Any]]) -> str:
+    """The message of a field's pydantic errors, in JSON's terms where they are about the value's type."""
     first = errors[0]
     kind = first.get("type", "")
     if kind == "missing":
         return f"{param} is required" if param else "the request body is missing"
-    if kind == "model_attributes_type" and not param:
+    if kind in ("model_attributes_type", "model_type") and not param:
         return "the request body must be a JSON object"
     tags = [next((p for p in e.get("loc", ()) if _is_type_tag(p)), None) for e in errors]
     if all(tags):  # every member of a union refused the value
-        return f"{param} must be one of: {', '.join(dict.fromkeys(str(t) for t in tags))}"
+        return f"{param} must be {_one_of([_json_type(str(t)) for t in tags])}"
+    if param and kind in _JSON_TYPES:
+        return f"{param} must be {_JSON_TYPES[kind]}"
+    if param and kind == "literal_error" and (first.get("ctx") or {}).get("expected"):
+        return f"{param} must be {first['ctx']['expected']}"
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return f"{param}: {msg}" if param else msg
 

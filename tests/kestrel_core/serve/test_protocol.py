@@ -95,11 +95,18 @@ def test_validation_errors_name_the_field_the_openai_way() -> None:
         {"type": "text", "text": "Hi"}, {"type": "text"}]}]}) == \
         ("messages.[0].content", "messages.[0].content: part 1 is a text part without its text")
     assert _validation_param(ChatCompletionRequest, {"messages": HI, "stop": 5}) == \
-        ("stop", "stop must be one of: str, list[str]")
+        ("stop", "stop must be a string or an array of strings")
     assert _validation_param(ChatCompletionRequest, {})[1] == "messages is required"
-    # a union with a model member: one field, every member named (not "and 1 more bad field")
+    # a union with a model member: one field, every member named (not "and 1 more bad field"), in JSON's terms
     assert _validation_param(ChatCompletionRequest, {"messages": HI, "tool_choice": "sometimes"}) == \
-        ("tool_choice", "tool_choice must be one of: literal['none','auto','required'], NamedToolChoice")
+        ("tool_choice", "tool_choice must be one of 'none', 'auto', 'required' or an object")
+    assert _validation_param(ChatCompletionRequest, {"messages": HI, "temperature": "0.5"}) == \
+        ("temperature", "temperature must be a number")
+    assert _validation_param(ChatCompletionRequest, {"messages": HI, "reasoning_effort": "max"}) == \
+        ("reasoning_effort", "reasoning_effort must be 'none', 'minimal', 'low', 'medium', 'high' or 'xhigh'")
+    assert _validation_param(CompletionRequest, {"prompt": {"text": "Hi"}}) == \
+        ("prompt", "prompt must be a string, an array of integers, an array of strings or an array of arrays of "
+         "integers")
     assert _validation_param(ChatCompletionRequest, {"messages": HI, "temperature": "0.5"})[0] == "temperature"
     assert _validation_param(ChatCompletionRequest, {"messages": HI, "stream": 1})[0] == "stream"
     assert _validation_param(ChatCompletionRequest, {"messages": HI, "stream": True, "stream_options": {

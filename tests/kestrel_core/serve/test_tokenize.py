@@ -88,7 +88,7 @@ def test_a_continued_final_message_is_the_chat_routes_prompt(server: KestrelServ
     ("/tokenize", {"messages": [{"role": "robot", "content": "Hi"}]}, "messages.[0].role", "role"),
     ("/tokenize", {"prompt": 3}, "prompt", "string"),
     ("/detokenize", {"tokens": [1, -1]}, "tokens", "token id -1 is outside the vocabulary"),
-    ("/detokenize", {"tokens": "abc"}, "tokens", "list"),
+    ("/detokenize", {"tokens": "abc"}, "tokens", "tokens must be an array"),
 ])
 def test_bad_requests_are_400_naming_the_field(server: KestrelServer, path: str, body: dict, param: str,
                                                needle: str) -> None:
