@@ -23,6 +23,23 @@ class InvalidRequest(KestrelError):
         self.param = param
 
 
+class ContextExceeded(InvalidRequest):
+    """A prompt (or input) of ``tokens`` tokens past the model's ``context``, or one that fills it and so leaves no
+    room for an answer; ``what`` names it in messages ("prompt", "input", "the prompt of document 1"...)."""
+
+    def __init__(self, message: str, tokens: int, context: int, what: str = "prompt",
+                 param: str | None = None) -> None:
+        super().__init__(message, param)
+        self.tokens, self.context, self.what = tokens, context, what
+
+
+def invalid_request(exc: KestrelError, param: str | None) -> InvalidRequest:
+    """``exc`` as the InvalidRequest naming ``param`` (a ContextExceeded stays one, for the server's answer)."""
+    if isinstance(exc, ContextExceeded):
+        return ContextExceeded(str(exc), exc.tokens, exc.context, exc.what, param)
+    return InvalidRequest(str(exc), param)
+
+
 class Overloaded(KestrelError):
     """No room for another request now (the server answers HTTP 429); retrying later may succeed."""
 

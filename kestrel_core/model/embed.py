@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.dispatch import all_finite
-from kestrel_core.errors import InvalidRequest, KestrelError, NonFiniteLogits, Overloaded
+from kestrel_core.errors import InvalidRequest, KestrelError, NonFiniteLogits, Overloaded, invalid_request
 from kestrel_core.model.config import POOLINGS
 from kestrel_core.model.validate import is_int
 from kestrel_core.model.weights import PREFILL_CHUNK
@@ -43,7 +43,7 @@ def check_input(engine: Any, ids: Sequence[int], what: str = "input", param: str
     try:
         ids = engine.check_ids(ids, what)
     except KestrelError as exc:
-        raise InvalidRequest(str(exc), param=param or what) from None
+        raise invalid_request(exc, param or what) from None
     if engine.pool.blocks_for(len(ids)) > engine.pool.num_blocks:
         raise InvalidRequest(f"the {what} has {len(ids)} tokens; the KV cache holds {engine.pool.capacity}",
                              param=param or what)

@@ -22,7 +22,7 @@ import numpy as np
 
 from kestrel_core.batch import BatchEntry, greedy_token
 from kestrel_core.dispatch import Deferred, Offload, all_finite
-from kestrel_core.errors import InvalidRequest, KestrelError, NonFiniteLogits, Overloaded
+from kestrel_core.errors import ContextExceeded, InvalidRequest, KestrelError, NonFiniteLogits, Overloaded
 from kestrel_core.model.config import SAMPLING_FIELDS
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
 from kestrel_core.model.embed import EmbedJob
@@ -434,8 +434,8 @@ class Engine:
         if bad:
             raise KestrelError(f"{what} token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
         if len(ids) > self.config.max_position:
-            raise KestrelError(f"the {what} has {len(ids)} tokens; the model's context is "
-                               f"{self.config.max_position}")
+            raise ContextExceeded(f"the {what} has {len(ids)} tokens; the model's context is "
+                                  f"{self.config.max_position}", len(ids), self.config.max_position, what)
         return ids
 
     # -- API -----------------------------------------------------------------------------------------

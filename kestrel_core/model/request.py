@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kestrel_core.errors import InvalidRequest, KestrelError
+from kestrel_core.errors import ContextExceeded, InvalidRequest, KestrelError, invalid_request
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob
 from kestrel_core.model.speculate import PromptLookup
@@ -112,10 +112,11 @@ def checked_prompt(engine: Any, pool: Any, prompt_ids: Sequence[int], params: Sa
     try:
         prompt_ids = engine.check_ids(prompt_ids, "prompt")
     except KestrelError as exc:
-        raise InvalidRequest(str(exc), param="prompt") from None
+        raise invalid_request(exc, "prompt") from None
     if len(prompt_ids) >= engine.config.max_position:
-        raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens, which leaves no room for an answer in "
-                             f"the model's context of {engine.config.max_position}", param="prompt")
+        raise ContextExceeded(f"the prompt has {len(prompt_ids)} tokens, which leaves no room for an answer in "
+                              f"the model's context of {engine.config.max_position}", len(prompt_ids),
+                              engine.config.max_position, param="prompt")
     vocab = engine.config.vocab_size
     for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
         outside = [t for t in ids if t >= vocab]

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core.errors import InvalidRequest, KestrelError
+from kestrel_core.errors import InvalidRequest, KestrelError, invalid_request
 from kestrel_core.model.request import Request, RequestOutput
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, Sampler, SamplingParams, logprobs_of
 from kestrel_core.model.validate import is_int
@@ -44,7 +44,7 @@ def checked_scoring(engine: Any, pool: Any, prompt_ids: Sequence[int], scoring: 
     try:
         prompt_ids = engine.check_ids(prompt_ids, "prompt")
     except KestrelError as exc:
-        raise InvalidRequest(str(exc), param="prompt") from None
+        raise invalid_request(exc, "prompt") from None
     if pool.blocks_for(len(prompt_ids)) > pool.num_blocks:
         raise InvalidRequest(
             f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {pool.capacity}", param="prompt"

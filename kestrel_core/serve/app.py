@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import kestrel_core
-from kestrel_core.errors import InvalidRequest, KestrelError
+from kestrel_core.errors import KestrelError, invalid_request
 from kestrel_core.model.async_engine import Places
 from kestrel_core.model.chat_template import continue_final_message
 from kestrel_core.model.embed import check_input
@@ -102,7 +102,7 @@ class Served:
                 try:
                     self.engine.check_ids(one, "prompt")
                 except KestrelError as exc:  # a bad prompt, as a generation's (checked_prompt)
-                    raise InvalidRequest(str(exc), param="prompt") from None
+                    raise invalid_request(exc, "prompt") from None
             return [p if isinstance(p, str) else self.engine.tokenizer.decode(one) for p, one in zip(prompts, ids)]
 
         async def scores(top: int) -> list[list[TokenLogprob] | None]:  # each prompt a request of the engine's
@@ -159,8 +159,9 @@ class Served:
         try:
             self.async_engine.check(prompt_ids, params)
             return replace(params, grammar=body.grammar(tools, self.control_ids, self.harmony))
-        except KestrelError as exc:
-            raise from_kestrel_error(exc) from None
+        except KestrelError as exc:  # a prompt's error is the messages'
+            named = invalid_request(exc, "messages") if getattr(exc, "param", None) == "prompt" else exc
+            raise from_kestrel_error(named) from None
 
     def guided(self, body: CompletionRequest, prompts: list[generation.Prompt]) -> str | None:
         """A completions request's grammar (vLLM's structured outputs), built once its prompts are known to fit."""

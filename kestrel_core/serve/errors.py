@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
+from kestrel_core.errors import ContextExceeded, InvalidRequest, KestrelError, Overloaded
 
 # Anthropic's status for a server that cannot take a request now; its 429 is an account's rate limit, which
 # kestrel has none of, so every 429 (the server at capacity) is this under its routes
@@ -108,6 +108,10 @@ def from_kestrel_error(exc: KestrelError, *, accepting: bool = True, param: str 
         if not accepting:
             return APIError(503, str(exc), code="server_shutting_down")
         return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    if isinstance(exc, ContextExceeded):  # OpenAI's code and words, which clients match to shorten a conversation
+        room = ", which leaves no room for an answer" if exc.tokens <= exc.context else ""
+        return APIError(400, f"This model's maximum context length is {exc.context} tokens. However, the {exc.what} "
+                        f"has {exc.tokens} tokens{room}.", param=exc.param or param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequest):
         return APIError(400, str(exc), param=exc.param or param, code="invalid_value")
     return APIError(400, str(exc), param=param)  # e.g. a chat template that failed on these messages

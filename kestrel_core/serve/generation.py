@@ -28,7 +28,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
+from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded, invalid_request
 from kestrel_core.model.async_engine import Places
 from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
@@ -86,7 +86,7 @@ def engine_error(exc: KestrelError, accepting: bool, prompt_param: str) -> APIEr
     """An error from the engine: InvalidRequest -> 400, Overloaded -> 429 (503 shutting down), else 500."""
     if isinstance(exc, InvalidRequest):
         param = prompt_param if exc.param in ("prompt", "input") else exc.param  # the field the tokens came from
-        return from_kestrel_error(InvalidRequest(str(exc), param))
+        return from_kestrel_error(invalid_request(exc, param))
     if isinstance(exc, Overloaded):
         return from_kestrel_error(exc, accepting=accepting)
     return APIError(500, str(exc), code="engine_error")

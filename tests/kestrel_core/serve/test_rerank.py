@@ -114,7 +114,8 @@ def test_a_prompt_past_the_context_is_a_400(server: KestrelServer, plain: Any, p
     tokens = len(_card_prompt(plain.tokenizer, QUERY, "b " * 60))
     status, error = _post(server, path, body)
     assert status == 400 and error["error"]["param"] == param, error
-    assert error["error"]["message"] == f"the prompt of {what} has {tokens} tokens; the model's context is 256"
+    assert error["error"]["message"] == f"This model's maximum context length is 256 tokens. However, the prompt of " \
+        f"{what} has {tokens} tokens."
 
 
 def test_a_reranker_gives_neither_embeddings_nor_text(server: KestrelServer) -> None:
