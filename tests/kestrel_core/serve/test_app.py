@@ -588,7 +588,6 @@ def test_a_json_body_sent_as_curl_d_sends_it_is_read(server: KestrelServer, cont
     ({"logprobs": 21}, "logprobs"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [10**7]}, "prompt"),
-    ({"prompt": list(range(9000))}, "prompt"),  # longer than the model's 8192-token context
     ({"prompt": ["a"] * 129}, "prompt"),
     ({"prompt": ["a", ""]}, "prompt"),
     ({"suffix": "end"}, "suffix"),
