@@ -38,6 +38,7 @@ class RequestOutput:
     # later token's text carries it); None: unknown (every token then counts as starting where new_text does)
     text_offsets: list[int] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # a scoring's: its prompt tokens scored by this step
+    cached_tokens: int = 0  # of its prompt, those the prefix cache held when it was first admitted
 
 
 @dataclass
@@ -66,10 +67,19 @@ class Request:
     scoring: Scoring | None = None  # it scores its prompt and generates nothing (kestrel_core.model.scoring)
     scored: int = 0  # a scoring's prompt positions whose next token it has scored
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # a scoring's, until its next output
+    cached_tokens: int = 0  # of its prompt, those the prefix cache held when it was first admitted
 
     @property
     def finished(self) -> bool:
         return self.status == FINISHED
+
+    def admit(self, engine: Any) -> None:
+        """Running, in a new sequence of ``engine``'s that starts with the longest prefix of its tokens the prefix cache
+        holds (none for a scoring: it scores every position)."""
+        self.seq = engine.new_sequence(len(self.prompt_ids), () if self.scoring else self.tokens, self.preemptions > 0)
+        if not self.preemptions:  # a resumed request mostly finds the blocks it computed itself
+            self.cached_tokens = len(self.seq.tokens)
+        self.status = RUNNING
 
     @property
     def argmax_only(self) -> bool:

@@ -375,10 +375,7 @@ class Scheduler(LoneDecode):
             if self._twin_computing(request):
                 break
             self.waiting.popleft()
-            # a scoring attaches no cached prefix: it scores every position
-            request.seq = self.engine.new_sequence(len(request.prompt_ids), () if request.scoring else request.tokens,
-                                                   request.preemptions > 0)
-            request.status = RUNNING
+            request.admit(self.engine)
             self.running.append(request)
             n = self._prompt_chunk(request, min(request.pending, budget))
             if ahead is not None:
@@ -569,7 +566,8 @@ class Scheduler(LoneDecode):
         logprobs = [lp for _, lp in sampled[:len(tokens)]] if sampled[0][1] is not None else None
         return RequestOutput(request.request_id, tokens, text, logprobs, request.finished, request.finish_reason,
                              len(request.prompt_ids), len(request.output_ids),
-                             request.stop_reason if request.finished else None, text_offsets=offsets)
+                             request.stop_reason if request.finished else None, text_offsets=offsets,
+                             cached_tokens=request.cached_tokens)
 
     def _abort_all(self, work: list[tuple[Request, Any, int]]) -> None:
         """A step that failed as a whole, starting or running: its requests end."""

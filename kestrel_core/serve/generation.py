@@ -35,7 +35,7 @@ from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
 from kestrel_core.serve.errors import APIError, error_body, from_kestrel_error
 from kestrel_core.serve.offload import json_answer, json_loads
-from kestrel_core.serve.responses import ChoiceResult, Shape, choice_params, usage
+from kestrel_core.serve.responses import ChoiceResult, Shape, cached_tokens, choice_params, usage
 
 log = logging.getLogger("kestrel.serve")
 
@@ -134,7 +134,7 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
                 abort()  # token: the status can still say so, as a whole answer's does
                 raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutting_down")
             record.prompt_tokens = prompt_tokens
-            events = _events(gens, firsts, shape, record, prompt_tokens, [len(p.ids) for p, _ in jobs])
+            events = _events(gens, firsts, shape, record, prompt_tokens, [len(p.ids) for p, _ in jobs], choices)
             return EventStreamResponse(events, on_close=abort)
         results = await unless_disconnected(
             _all([_collect(g, record, p.logprobs, prompt_tokens) for g, (p, _) in zip(gens, jobs)]), request)
@@ -146,7 +146,8 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
         raise engine_error(exc, async_engine.accepting, prompt_param) from None
     if any(r.finish_reason == "abort" for r in results):
         raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutting_down")
-    return await json_answer(lambda: shape.response(results, prompt_tokens))
+    cached = cached_tokens([r.cached_tokens for r in results], choices)
+    return await json_answer(lambda: shape.response(results, prompt_tokens, cached))
 
 
 async def embed(async_engine: Any, request: Request, inputs: list[list[int]],
@@ -201,6 +202,7 @@ async def _collect(gen: AsyncIterator[RequestOutput], record: RequestRecord, log
         result.tokens.add(out.new_text, len(out.new_token_ids), out.text_offsets, out.logprobs)
         if out.logprobs and result.logprobs is not None:
             result.logprobs.extend(out.logprobs)
+        result.cached_tokens = max(result.cached_tokens, out.cached_tokens)
         if out.finished:
             result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
     return result
@@ -279,13 +281,15 @@ async def _arrivals(gens: list[AsyncIterator[RequestOutput]], firsts: list[Reque
 
 
 async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput], shape: Shape,
-                  record: RequestRecord, prompt_tokens: int, choice_prompt_tokens: list[int]
+                  record: RequestRecord, prompt_tokens: int, choice_prompt_tokens: list[int], choices: int = 1
                   ) -> AsyncIterator[bytes]:
     """OpenAI's chunk sequence: the role (chat), the deltas and each choice's finish reason, the usage,
     ``[DONE]``. ``prompt_tokens``: the request's (each prompt once), for the usage; ``choice_prompt_tokens``:
-    each choice's prompt's, which the shape counts with each choice's tokens sent, for continuous usage."""
+    each choice's prompt's, which the shape counts with each choice's tokens sent, for continuous usage;
+    ``choices``: each prompt's (``n``)."""
     shape.start_usage(choice_prompt_tokens)
     completion_tokens = 0
+    cached = [0] * len(gens)  # each choice's prompt tokens the prefix cache held
     arrivals = _arrivals(gens, firsts)
     deltas = DeltaEvents(shape)
     try:
@@ -295,6 +299,7 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
             record.tokens(len(out.new_token_ids))
             completion_tokens += len(out.new_token_ids)
             shape.add_sent(i, len(out.new_token_ids))
+            cached[i] = max(cached[i], out.cached_tokens)
             if out.finish_reason == "abort":
                 yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutting_down"))
                 break
@@ -313,7 +318,7 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
                     yield sse(chunk)
         else:
             if shape.include_usage:
-                yield sse(shape.usage_chunk(prompt_tokens, completion_tokens))
+                yield sse(shape.usage_chunk(prompt_tokens, completion_tokens, cached_tokens(cached, choices)))
     except KestrelError as exc:  # a failed step, after the headers went out: the stream says so
         yield sse(error_body(str(exc), "server_error", None, "engine_error"))
     except Exception as exc:  # a bug, not bad input: logged as AccessMiddleware logs it, and the stream still ends

@@ -61,6 +61,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     completion_tokens: int = 0
     stop_reason: str | int | None = None  # the stop string or token id that ended it (vLLM's field)
+    cached_tokens: int = 0  # of its prompt, those the prefix cache held
     tokens: TokenParts = field(default_factory=TokenParts)  # where each token's text starts, and its logprob
 
 
@@ -86,9 +87,21 @@ def embedding_list(vectors: np.ndarray, encoding_format: str, model: str, prompt
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; with ``cached_tokens`` (the prompt tokens the prefix cache held), its
+    ``prompt_tokens_details``, which OpenAI's answers always carry."""
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
+
+
+def cached_tokens(per_choice: Sequence[int], choices: int) -> int:
+    """A request's prompt tokens the prefix cache held, each prompt's once: its ``choices`` choices (``per_choice``,
+    choice p * choices + i prompt p's i-th) share its computation, which the first of them admitted did with the
+    fewest held."""
+    return sum(min(per_choice[p:p + choices]) for p in range(0, len(per_choice), choices))
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -193,15 +206,16 @@ class _Shape:
             body["usage"] = None  # as OpenAI: every chunk but the last says usage: null
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
         body = self._envelope(self.chunk_object, [])
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached)
         return body
 
-    def response(self, results: list[ChoiceResult], prompt_tokens: int) -> dict[str, Any]:
-        """The whole answer: a choice per result, in order; usage counts the prompt once."""
+    def response(self, results: list[ChoiceResult], prompt_tokens: int, cached: int | None = None) -> dict[str, Any]:
+        """The whole answer: a choice per result, in order; usage counts the prompt once (``cached``: the prompt
+        tokens of it the prefix cache held)."""
         body = self._envelope(self.object, [self.choice(i, r) for i, r in enumerate(results)])
-        body["usage"] = usage(prompt_tokens, sum(r.completion_tokens for r in results))
+        body["usage"] = usage(prompt_tokens, sum(r.completion_tokens for r in results), cached)
         return body
 
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
@@ -403,11 +417,11 @@ class ChatShape(_Shape):
             reason = _calls_reason(reason)
         return chunks + [self.finish_chunk(reason, index, stop_reason)]
 
-    def response(self, results: list[ChoiceResult], prompt_tokens: int) -> dict[str, Any]:
-        return self._detailed(super().response(results, prompt_tokens))
+    def response(self, results: list[ChoiceResult], prompt_tokens: int, cached: int | None = None) -> dict[str, Any]:
+        return self._detailed(super().response(results, prompt_tokens, cached))
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return self._detailed(super().usage_chunk(prompt_tokens, completion_tokens))
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
+        return self._detailed(super().usage_chunk(prompt_tokens, completion_tokens, cached))
 
     def _detailed(self, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` whose usage counts its reasoning tokens, where the answers reason."""
@@ -504,5 +518,5 @@ class CompletionShape(_Shape):
 
 Shape = ChatShape | CompletionShape
 
-__all__ = ["ChatShape", "ChoiceResult", "CompletionShape", "Echo", "Shape", "TokenStrings", "choice_params",
-           "finish_reason", "new_id", "usage"]
+__all__ = ["ChatShape", "ChoiceResult", "CompletionShape", "Echo", "Shape", "TokenStrings", "cached_tokens",
+           "choice_params", "finish_reason", "new_id", "usage"]

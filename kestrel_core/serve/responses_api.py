@@ -311,7 +311,8 @@ def _usage(chat: dict[str, Any]) -> dict[str, Any]:
     """The chat answer's usage as the Responses API's (its reasoning tokens ChatShape's count)."""
     prompt, completion = chat.get("prompt_tokens", 0), chat.get("completion_tokens", 0)
     reasoning = (chat.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion}
 

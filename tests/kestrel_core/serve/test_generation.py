@@ -94,7 +94,7 @@ def test_continuous_usage_is_each_choices_own(shape_type: type) -> None:
     assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
                for c in chunks)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == \
-        {"prompt_tokens": 14, "completion_tokens": 7, "total_tokens": 21}
+        {"prompt_tokens": 14, "completion_tokens": 7, "total_tokens": 21, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize(("usage", "continuous"), [(True, False), (False, True), (False, False)])

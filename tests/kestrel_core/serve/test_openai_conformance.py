@@ -5,8 +5,15 @@ tokens came from the prefix cache (``prompt_tokens_details.cached_tokens``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import openai
 import pytest
+
+from kestrel_core.model.kv_pool import BLOCK_SIZE
+from kestrel_core.serve.server import KestrelServer
+
+from .helpers import http
 
 NAME = "tiny-qwen3"
 CONTEXT = 256  # tiny-qwen3's
@@ -46,3 +53,46 @@ def test_an_input_past_the_context_is_context_length_exceeded(client: openai.Ope
     with pytest.raises(openai.BadRequestError) as caught:
         client.embeddings.create(model=NAME, input=["a", LONG])
     _context_error(caught, "input")
+
+
+def _hits(server: KestrelServer) -> int:
+    """The prefix cache's hits so far (its metric)."""
+    key = f'kestrel_prefix_cache_hit_tokens_total{{model="{NAME}"}}'
+    lines = http("GET", f"{server.url}/metrics")[2].decode().splitlines()
+    return int(float(next(line.rsplit(" ", 1)[1] for line in lines if line.startswith(key + " "))))
+
+
+def _cached(usage: Any) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client: openai.OpenAI, server: KestrelServer) -> None:
+    """A prompt sent again finds its full blocks short of its last token in the prefix cache: the usage says how
+    many tokens those are, as the cache's hits count them, whole or streamed, on both routes."""
+    messages = [{"role": "system", "content": "A system prompt of several blocks. " * 6},
+                {"role": "user", "content": "Hi"}]
+    before = _hits(server)
+    first = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    assert _cached(first.usage) == _hits(server) - before
+    again = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    blocks = (first.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert blocks > 0 and _cached(again.usage) == blocks
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert _cached(chunks[-1].usage) == blocks
+    prompt = "Another prompt, one of a few blocks, sent twice. " * 5
+    client.completions.create(model=NAME, prompt=prompt, max_tokens=2)
+    text = client.completions.create(model=NAME, prompt=prompt, max_tokens=2)
+    assert _cached(text.usage) == (text.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
+    response = client.responses.create(model=NAME, input=messages, max_output_tokens=2)
+    assert response.usage.input_tokens_details.cached_tokens == blocks
+
+
+def test_the_choices_of_a_prompt_count_its_cached_tokens_once(client: openai.OpenAI, server: KestrelServer) -> None:
+    """``n`` choices compute their prompt once (the others attach its blocks): the usage counts the prompt once, and
+    the tokens of it the cache held when it was computed."""
+    prompt = "A prompt no other test sends, of a few blocks. " * 5
+    fresh = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, n=3)
+    again = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, n=3)
+    assert _cached(fresh.usage) == 0
+    assert _cached(again.usage) == (again.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
