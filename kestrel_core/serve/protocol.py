@@ -84,8 +84,7 @@ class AssistantToolCall(RequestBody):
             arguments = self.function.arguments
         if not isinstance(arguments, dict):
             arguments = self.function.arguments
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.function.name, "arguments": arguments}}
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
 
 
 class ChatMessage(RequestBody):
@@ -277,6 +276,7 @@ class _Generation(RequestBody):
         else OpenAI's default (temperature 1, no filters)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         given = {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
+        given |= {"top_p": 1.0, "top_k": 1} if self.top_p == 0 else {}  # OpenAI's 0: the likeliest token alone
         sampling = {"temperature": DEFAULT_TEMPERATURE, **(recommended or {}), **given}
         params = SamplingParams(
             max_tokens=max_tokens,

@@ -1,7 +1,7 @@
-"""What OpenAI's clients read beyond the answer itself, through a real server and the official client: a prompt past
-the context is OpenAI's ``context_length_exceeded`` (clients and agent frameworks recognise it by that code and by
-"maximum context length" in the message, and shorten the conversation), and ``usage`` says how many of the prompt's
-tokens came from the prefix cache (``prompt_tokens_details.cached_tokens``)."""
+"""Where clients written for OpenAI's API expect what OpenAI does, through a real server and the official client: a
+prompt past the context is OpenAI's ``context_length_exceeded`` (clients and agent frameworks recognise it by that code
+and by "maximum context length" in the message, and shorten the conversation), ``usage`` says how many of the prompt's
+tokens came from the prefix cache (``prompt_tokens_details.cached_tokens``), and a ``top_p`` of 0 is taken."""
 
 from __future__ import annotations
 
@@ -96,3 +96,17 @@ def test_the_choices_of_a_prompt_count_its_cached_tokens_once(client: openai.Ope
     again = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, n=3)
     assert _cached(fresh.usage) == 0
     assert _cached(again.usage) == (again.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
+
+
+def test_a_top_p_of_0_keeps_the_most_likely_token(client: openai.OpenAI) -> None:
+    """OpenAI (and llama.cpp, and Ollama) take a ``top_p`` of 0: the nucleus is the most likely token alone, so the
+    answer at any temperature and seed is the greedy one."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    greedy = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
+    for seed in (1, 2):
+        nucleus = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=1.5,
+                                                 top_p=0, seed=seed)
+        assert nucleus.choices[0].message.content == greedy.choices[0].message.content
+    text = client.completions.create(model=NAME, prompt="Colours:", max_tokens=8, temperature=0)
+    nucleus_text = client.completions.create(model=NAME, prompt="Colours:", max_tokens=8, top_p=0, seed=3)
+    assert nucleus_text.choices[0].text == text.choices[0].text

@@ -39,7 +39,7 @@ def test_fields_reach_sampling_params() -> None:
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"temperature": 101.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"temperature": 101.0}, "temperature"), ({"top_p": -0.1}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"logit_bias": {"1": 500}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"²": 1}}, "logit_bias"), ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
