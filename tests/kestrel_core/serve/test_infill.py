@@ -264,7 +264,7 @@ def test_bad_input_is_a_400_in_llama_cpps_shape(server: KestrelServer) -> None:
              ({"input_extra": [{"text": "x", "filename": 3}]}, "input_extra"), ({"n_predict": "ten"}, "n_predict"),
              ({"n_predict": 1.5}, "n_predict"), ({"temperature": "hot"}, "temperature"), ({"stop": "x"}, "stop"),
              ({"samplers": 5}, "samplers"), ({"response_fields": "content"}, "response_fields"),
-             ({"t_max_predict_ms": "1s"}, "t_max_predict_ms"), ({"top_p": 0}, "top_p"), ({"seed": 2 ** 63}, "seed"),
+             ({"t_max_predict_ms": "1s"}, "t_max_predict_ms"), ({"top_p": -0.5}, "top_p"), ({"seed": 2 ** 63}, "seed"),
              ({"prompt": "x" * 400}, "prompt"), ({"grammar": "root ::= \"a\""}, "grammar"),
              ({"json_schema": {"type": "wat"}}, "json_schema"), ({"logit_bias": [[15]]}, "logit_bias"),
              ({"logit_bias": [[15, "x"]]}, "logit_bias"), ({"logit_bias": [[10 ** 7, 1]]}, "logit_bias"),
