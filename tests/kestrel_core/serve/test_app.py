@@ -486,7 +486,7 @@ def test_client_disconnect_while_waiting_for_a_whole_answer(server: KestrelServe
 @pytest.mark.parametrize(("kwargs", "param"), [
     ({"temperature": -1}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
-    ({"top_p": 0}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
     ({"n": 0}, "n"),
     ({"n": 129}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
@@ -716,7 +716,7 @@ def test_metrics(server: KestrelServer, client: openai.OpenAI) -> None:
     _chat(client, max_tokens=4)
     list(_chat(client, max_tokens=4, stream=True))
     with pytest.raises(openai.BadRequestError):
-        _chat(client, top_p=0)
+        _chat(client, top_p=-0.1)
     status, headers, body = http("GET", f"{server.url}/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     text = body.decode()
