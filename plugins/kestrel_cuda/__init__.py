@@ -6,8 +6,8 @@ binding (prerequisites, all or nothing), kernels (the CUDA sources, NVRTC compil
 layout of a weight), weights (upload + K-major transpose), gemm (the hooks' launch API), cupy_alloc (the
 cache's allocator), device (the handle and the host-layer contract), residency (weight cache, pool, window),
 forward (whole-step decode) with forward_state (a model's device state), plan (its projections and K-split
-planners), ops_cupy (its kernels' launches), ops_numpy (their numpy mirror) and forward_launch (PDL and
-cluster launches).
+planners), ops_cupy (its kernels' launches; the attention's in ops_attention, a mixture of experts' in
+ops_moe), ops_numpy (their numpy mirror) and forward_launch (PDL and cluster launches).
 """
 
 from __future__ import annotations
