@@ -9,11 +9,12 @@
 // One warp's online softmax over positions [pb, pe) of one head: groups of AB positions from pb + AB * warp,
 // every AB * nw-th, the next group's keys and values loaded while one is computed. kb, vb: the head's keys and
 // values (position p at p * hd). ``query(qr)`` gives the lane's scaled query, called once the first group's
-// loads are issued (so that they overlap whatever it waits for). The warp's state ends in mx, l, acc (-inf, 0
-// and zeros where it saw no position).
+// loads are issued (so that they overlap whatever it waits for). ``cap`` > 0: each score soft-capped (soft_cap,
+// Gemma 2) before the softmax. The warp's state ends in mx, l, acc (-inf, 0 and zeros where it saw no position).
 template <int MAXJ, int AB, class Query>
 __device__ __forceinline__ void attend_warp(Query query, const kv_t* kb, const kv_t* vb, int hd, int pb, int pe,
-                                            int warp, int nw, int lane, float& mx, float& l, float (&acc)[MAXJ])
+                                            int warp, int nw, int lane, float cap, float& mx, float& l,
+                                            float (&acc)[MAXJ])
 {
     constexpr int NC = MAXJ / 4;            // a lane's chunks
 #pragma unroll
@@ -62,6 +63,10 @@ __device__ __forceinline__ void attend_warp(Query query, const kv_t* kb, const k
         for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
             for (int b = 0; b < AB; ++b) sc[b] += __shfl_xor_sync(FULL, sc[b], o);
+        if (cap > 0.f) {  // (a position past pe: its score is not read)
+#pragma unroll
+            for (int b = 0; b < AB; ++b) sc[b] = soft_cap(sc[b], cap);
+        }
         float mb = NEG_INF;
 #pragma unroll
         for (int b = 0; b < AB; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[b]);
@@ -220,7 +225,7 @@ __device__ __forceinline__ void attend_rest(const AttendArgs& a, const kv_t* kb,
         mbar_wait(&s.q_bar, 0);
         const float4 q = *reinterpret_cast<const float4*>(&s.q[4 * lane]);
         qr[0] = q.x * a.scale; qr[1] = q.y * a.scale; qr[2] = q.z * a.scale; qr[3] = q.w * a.scale;
-    }, kb, vb, TN, pb, pe, warp, NT / 32, lane, mx, l, acc);
+    }, kb, vb, TN, pb, pe, warp, NT / 32, lane, 0.f, mx, l, acc);
     merge_warps<4, NT / 32>(mx, l, acc, TN, warp, lane, s.m, s.l, s.acc, s.rec[0]);
     __syncthreads();
     if (threadIdx.x < ATT_REC(TN)) push_to(&s.rec[rank][threadIdx.x], &s.rec_bar, s.rec[0][threadIdx.x], 0);

@@ -7,7 +7,8 @@
 // Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB = 32 / MAXJ
 // positions (attend_warp: AB x 2 x MAXJ / 4 loads in flight per lane at either size); the block merges its
 // warps into its record part[h][split], and the last block of a head merges the NS records (every split's loaded
-// at once, merge weights computed once, fixed order). q is scaled by 1/sqrt(hd) before the dot products.
+// at once, merge weights computed once, fixed order). q is scaled by 1/sqrt(hd) before the dot products; with
+// softcap > 0 each score is soft-capped (Gemma 2) before the softmax, as in attn_rows and attn_prefill.
 #define AW 4
 #define PT 32    // positions of a shared-memory tile (attn_rows: one page of the pool, KV_BLOCK)
 #define NCH 2    // attn_rows, attn_prefill: a lane's 4-dimension chunks, 128 dimensions apart (hd <= 256)
@@ -15,7 +16,7 @@ template <int NS, int MAXJ>
 __global__ void __launch_bounds__(AW * 32) attn_decode(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
-    int* __restrict__ counters, float* __restrict__ out, int window)
+    int* __restrict__ counters, float* __restrict__ out, int window, float softcap)
 {
     grid_dep_launch();
     grid_dep_wait();
@@ -38,7 +39,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
             const int d = 4 * lane + 128 * (j / 4) + j % 4;
             qr[j] = d < hd ? q[(size_t)h * hd + d] * scale : 0.f;
         }
-    }, kb, vb, hd, pb, pe, warp, AW, lane, mx, l, acc);
+    }, kb, vb, hd, pb, pe, warp, AW, lane, softcap, mx, l, acc);
     merge_warps<MAXJ, AW>(mx, l, acc, hd, warp, lane, s_m, s_l, s_acc, part + ((size_t)h * NS + split) * ATT_REC(hd));
     if (!arrive_last(&counters[h], NS, &s_last)) return;
     const float* ph = part + (size_t)h * NS * ATT_REC(hd);
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ rows, const int* __restrict__ tables, int tb,
     float* __restrict__ out, int splits, float* __restrict__ part, int* __restrict__ counters, int window,
-    i8* __restrict__ codes, float* __restrict__ cscales)
+    i8* __restrict__ codes, float* __restrict__ cscales, float softcap)
 {
     static_assert(HDP >= 16 && HDP <= 256 && (HDP & (HDP - 1)) == 0, "HDP: a power of two, 16..256");
     static_assert(ROWS_WARPS == 2, "each warp takes 16 of a page's PT = 32 positions; warp 1 joins warp 0 at the end");
@@ -288,7 +289,9 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int p = t * PT + 16 * warp + 8 * j + 2 * tig + e;
-                sc[j][e] = whole || (p >= lo && p < len) ? (s[j][e] + s[j][e + 2]) * smul : NEG_INF;
+                float x = (s[j][e] + s[j][e + 2]) * smul;
+                if (softcap > 0.f) x = soft_cap(x, softcap);  // Gemma 2
+                sc[j][e] = whole || (p >= lo && p < len) ? x : NEG_INF;
                 m0 = fmaxf(m0, sc[j][e]);
             }
         m0 = fmaxf(m0, __shfl_xor_sync(FULL, m0, 1));

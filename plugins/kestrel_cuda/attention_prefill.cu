@@ -2,12 +2,14 @@
 // the last ``window`` of them). 16 query rows
 // per block (two per warp), so each key/value tile staged in shared memory (PT positions) serves 16
 // queries, and 16-byte shared-memory reads: lane j scores key j against both of its warp's queries, then
-// accumulates its chunks of 4 consecutive dimensions of each. hd % 4 == 0, hd <= 256.
+// accumulates its chunks of 4 consecutive dimensions of each. hd % 4 == 0, hd <= 256. softcap > 0: each score
+// soft-capped (Gemma 2) before the softmax.
 // Grid: x = H, y = ceil(M / 16); block 256; dynamic shared memory (32*(hd+4) + 32*hd + 16*hd) floats.
 #define PQ2 16
 extern "C" __global__ void __launch_bounds__(256) attn_prefill(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
-    int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out, int window)
+    int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out, int window,
+    float softcap)
 {
     grid_dep_launch();
     grid_dep_wait();
@@ -57,6 +59,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill(
             da += xa.x * kk.x; da += xa.y * kk.y; da += xa.z * kk.z; da += xa.w * kk.w;
             db += xb.x * kk.x; db += xb.y * kk.y; db += xb.z * kk.z; db += xb.w * kk.w;
         }
+        if (softcap > 0.f) { da = soft_cap(da, softcap); db = soft_cap(db, softcap); }
         const bool va = p <= pa && p >= loa, vbk = mb < M && p <= pbq && p >= lob;
         const float sa = va ? da : NEG_INF, sb = vbk ? db : NEG_INF;
         // a row updates only on a tile holding one of its keys (then its max is finite)

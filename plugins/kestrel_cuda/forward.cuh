@@ -53,6 +53,10 @@ __device__ __forceinline__ float gelu_tanh_mul(float g, float u) {
     return g * t * u;
 }
 
+// Gemma 2's soft cap of an attention score or a logit: tanh(x / cap) * cap, the CPU decoder's order (cap > 0;
+// tanhf's last bits may differ from numpy's tanh, as gelu_tanh_mul's)
+__device__ __forceinline__ float soft_cap(float x, float cap) { return tanhf(x / cap) * cap; }
+
 __device__ __forceinline__ int warp_isum(int v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);

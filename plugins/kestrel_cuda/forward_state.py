@@ -41,24 +41,23 @@ from kestrel_cuda.plan import (
     ssq_count,
 )
 
-DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe",
-                        "smollm3", "seed_oss", "glm4", "ernie4_5")
+DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
+                        "qwen2_moe", "smollm3", "seed_oss", "glm4", "ernie4_5", "granite")
 
 
 def unsupported_reason(model: Model) -> str | None:
     """Why the device forward cannot run ``model`` (None: it can): the decoders it knows are Llama, Qwen2,
     Qwen3, Mistral, Phi-3, SmolLM3 (its NoPE layers' RoPE tables turn nothing), Seed-OSS (Qwen2's biases), GLM-4
     (its interleaved RoPE pairs as stored, Gemma's four norms), ERNIE 4.5 (the same pairs), Gemma 3 (post-norms,
-    GeGLU, scaled embeddings and queries, a RoPE per layer kind, sliding windows) and the mixtures of experts
-    Qwen3-MoE, Mixtral and Qwen2-MoE (up to ROUTE_MAX_EXPERTS experts, routed on the device); the others (Gemma
-    2's soft caps, gpt-oss, Granite, OLMo 2, EXAONE 4, the latent attention of DeepSeek-V2/V3, MiniMax-M2's
-    whole-projection q/k norms and sigmoid router, dots.llm1's sigmoid router, Cohere's LayerNorms and parallel
-    blocks) run through the GEMM hooks."""
+    GeGLU, scaled embeddings and queries, a RoPE per layer kind, sliding windows), Gemma 2 (Gemma 3's layers
+    without q/k norms, with soft caps on the attention scores and the logits), Granite (scaled embeddings and
+    queries, a residual multiplier, a logits divisor) and the mixtures of experts Qwen3-MoE, Mixtral and
+    Qwen2-MoE (up to ROUTE_MAX_EXPERTS experts, routed on the device); the others (gpt-oss, OLMo 2, EXAONE 4,
+    the latent attention of DeepSeek-V2/V3, MiniMax-M2's whole-projection q/k norms and sigmoid router,
+    dots.llm1's sigmoid router, Cohere's LayerNorms and parallel blocks) run through the GEMM hooks."""
     c = model.config
     if c.arch not in DEVICE_ARCHITECTURES:
         return f"architecture {c.arch!r}"
-    if c.attn_softcap is not None or c.final_softcap is not None:
-        return "attention or logit soft caps"
     if c.activation not in ("silu", "gelu_tanh"):
         return f"activation {c.activation!r}"
     if not c.pre_norms or c.qk_norm_full:
@@ -75,8 +74,8 @@ def unsupported_reason(model: Model) -> str | None:
         return "dense layers among the experts, or a sigmoid, biased or scaled router"
     if c.attn_temperature_scale:
         return "an attention temperature (Ministral 3's)"
-    if c.residual_scale != 1.0 or c.logits_scaling != 1.0:
-        return "residual or logits multipliers"
+    if c.residual_scale != 1.0 and (c.post_norms or c.is_moe):
+        return "a residual multiplier with post-norms or experts"
     if c.head_dim % 4 or c.head_dim > MAX_HEAD_DIM:
         return f"head_dim {c.head_dim} (needs a multiple of 4 <= {MAX_HEAD_DIM})"
     if c.num_kv_heads <= 0 or c.num_heads % c.num_kv_heads:

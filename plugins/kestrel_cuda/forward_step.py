@@ -49,6 +49,11 @@ class Stepper:
         hd, heads, kv_heads, f = c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
         scale = head_scale(hd) if c.query_scale is None else float(np.float32(c.query_scale))
         act = PRO_GELU_MUL if c.activation == "gelu_tanh" else PRO_SILU_MUL
+        softcap = float(c.attn_softcap or 0)  # Gemma 2's scores, tanh-capped before the softmax (0: none)
+        # Granite's residual multiplier scales the o and down projections' sums in the residual add's epilogue,
+        # not their weights' scales at load: the weight cache shares those with the GEMM hooks, whose host
+        # decoder multiplies the outputs itself. The norm fold's GEMM adds into h without it, so it is off then.
+        rs = float(c.residual_scale)
         h = st.h[:m]
         ssq = st.ssq if m == 1 else None  # h's tile sums: left by its writers, read by the norms
         # Gemma's post-norms at M = 1 fold into the GEMVs around them (plan.PostNorm), the residual stream moving
@@ -69,8 +74,10 @@ class Stepper:
             at = {} if pool is None else {"rows": pool.rows, "tables": pool.tables}
             rope = None  # qkv_rope's work in the q|k|v GEMV's epilogue: one head per column tile
             if m == 1 and pool is None and self.fuse_rope and hd == TILE_N and len(w.qkv) == 1:
-                attend = None  # and decode attention, in its clusters
-                if self.fuse_attention and ops.attend_folds(w.qkv[0], kc.shape[1]):
+                # and decode attention, in its clusters; not with soft caps, which its instances (64 registers a
+                # thread) have no room for: ptxas spilled 4-16 bytes in two of them with a cap in the loop
+                attend = None
+                if self.fuse_attention and not softcap and ops.attend_folds(w.qkv[0], kc.shape[1]):
                     attend = AttendFold(st.attn[:1], scale, c.window_of(i) or 0, *st.attend)
                 rope = QkvRope(heads, kv_heads, layer.q_norm, layer.k_norm, eps, layer.cos, layer.sin, st.meta,
                                st.q[:1], kc, vc, attend)
@@ -86,12 +93,14 @@ class Stepper:
             quantized = False
             if rope is None or rope.attend is None:
                 quantized = ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at,
-                                          window=c.window_of(i) or 0, quantize_for=w.o if fold is None else None)
-            normed = not w.experts and layer.post_attn_norm is None and ops.norm_fold(m, w.o, w.gate_up)
+                                          window=c.window_of(i) or 0, quantize_for=w.o if fold is None else None,
+                                          softcap=softcap)
+            normed = (not w.experts and layer.post_attn_norm is None and rs == 1.0
+                      and ops.norm_fold(m, w.o, w.gate_up))
             route, h = o_routed(ops, st, layer, w.o, h, h_rows, eps) if h_rows is not None else (None, h)
             if route is None:
                 pending = self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, h, m, eps, ssq,
-                                         fold, quantized, layer.mlp_norm if normed else None)
+                                         fold, quantized, layer.mlp_norm if normed else None, rs)
             if w.experts:
                 moe_mlp(self.ops, st, i, w, h, eps, ssq, route)
                 continue
@@ -101,10 +110,10 @@ class Stepper:
             if pending is not None:
                 h, pending = pending.h_next, None
             after = st.layers[i + 1] if i + 1 < len(st.layers) else None
-            normed = (after is not None and after.weights is not None and layer.post_mlp_norm is None
+            normed = (after is not None and after.weights is not None and layer.post_mlp_norm is None and rs == 1.0
                       and ops.norm_fold(m, w.down, after.weights.qkv))
             pending = self._residual(w.down, st.gu[:m], act, f, layer.post_mlp_norm, st, h, m, eps, ssq, fold,
-                                     fold_norm=after.attn_norm if normed else None)
+                                     fold_norm=after.attn_norm if normed else None, add_scale=rs)
         if rows:
             lm = st.lm_head or self.projections.lm_head(st.model)
             out = st.logits_all[:rows] if rows > 1 else st.logits
@@ -113,6 +122,8 @@ class Stepper:
                 ops.gather_rows(h, pool.index[:rows], pool.hsel[:rows])
                 src = pool.hsel[:rows]
             self._normed(lm, src, st.final_norm, eps, out, None, ssq, pending)
+            if c.logits_scaling != 1.0 or c.final_softcap:  # Granite's divisor, Gemma 2's cap: before any argmax
+                ops.finish_logits(out, float(c.logits_scaling), float(c.final_softcap or 0))
             if m == 1 and pool is None:  # the next step's token and position, on the device (pipelined greedy)
                 ops.greedy_token(st.logits, st.finish, st.meta, int(seq_kv.shape[3]), st.tokens)
 
@@ -128,15 +139,18 @@ class Stepper:
 
     def _residual(self, lin: Lin, x: Any, pro: int, xoff: int, post_norm: Any, st: State, h: Any, m: int,
                   eps: float, ssq: Any, fold: tuple[Any, Any] | None, quantized: bool = False,
-                  fold_norm: Any = None) -> PostNorm | None:
-        """h += lin(prologue(x)), or h += rmsnorm(lin(prologue(x)), post_norm) (Gemma's post-norms): with
+                  fold_norm: Any = None, add_scale: float = 1.0) -> PostNorm | None:
+        """h += lin(prologue(x)) * add_scale, or h += rmsnorm(lin(prologue(x)), post_norm) (Gemma's post-norms,
+        add_scale 1: forward_state.unsupported_reason): with
         ``fold`` (the two residual rows, h one of them) left to the next normed GEMV, which stores the sum in the
         other row, and returned. ``quantized``: x's codes are written already; ``fold_norm``: the next norm's
         weights, h's new rows quantized for the normed GEMMs after it (ops.gemv)."""
         if post_norm is None:
             self.ops.gemv(lin, x, pro, None, eps, xoff, h, EPI_ADD, None, ssq_out=ssq, quantized=quantized,
-                          fold_norm=fold_norm)
+                          fold_norm=fold_norm, add_scale=add_scale)
             return None
+        if add_scale != 1.0:
+            raise ValueError("a residual multiplier with post-norms: forward_state.unsupported_reason declines it")
         if fold is not None:
             other = fold[1] if h is fold[0] else fold[0]
             post = PostNorm(post_norm, h, st.out[:1], st.post[1], other)

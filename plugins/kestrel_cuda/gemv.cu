@@ -77,7 +77,8 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // it knows esel, so when a routed GEMV follows another on the same choices (esel_ready: the router's kernel has
 // completed before it can launch), it reads esel before its PDL wait and streams its first weights while its
 // predecessor runs, as a dense projection does.
-// Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias). With qout (M = 1, the q|k|v projection,
+// Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += (acc (+ bias)) * ymul (Granite's residual multiplier; 1 elsewhere,
+// an exact multiply). With qout (M = 1, the q|k|v projection,
 // hd == TN: tile x is head x; the other pointers and H, KV, cap as QkvRope's, eps the prologue's) the tile's
 // outputs go through rope_head instead of to Y: qkv_rope's work, in the block that has the head's sums,
 // without a kernel of its own. With pn_stats and pro != 4 (M = 1: the projection before a post-norm) it stores
@@ -96,7 +97,7 @@ template <int BITS, int G, int MR, int FOLD>
 __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
-    float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
+    float* __restrict__ Y, int ldy, int epi, float ymul, const float* __restrict__ bias,
     float* __restrict__ part, int* __restrict__ counters, unsigned long long* __restrict__ merge,
     unsigned* __restrict__ epochs, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
     const float* qnorm, const float* knorm, const float* cosT, const float* sinT, const int* meta, float* qout,
@@ -430,7 +431,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
             if (m >= M) continue;
             float y = acc[i];
             if (bias) y = y + bn;
-            y = epi == 1 ? yin[i] + y : y;
+            y = epi == 1 ? yin[i] + y * ymul : y;
             Y[(size_t)m * ldy + n] = pn_prod ? y * pwn : y;
             if (i == 0) y0 = y;
         }

@@ -1,5 +1,22 @@
-// lm_finish: the decode step's greedy token, on the device (the pipelined greedy decode); argmax_rows: the
-// greedy tokens of a batched step's rows.
+// finish_logits: Granite's logits divisor and Gemma 2's final soft cap, where a model has them; lm_finish: the
+// decode step's greedy token, on the device (the pipelined greedy decode); argmax_rows: the greedy tokens of a
+// batched step's rows.
+
+// Logits [rows][N] (row stride ldx) in place, the CPU decoder's order: divided by ``div`` (1: unchanged), then
+// soft-capped by ``cap`` (soft_cap; 0: none). Grid: x = blocks of 256 columns, y = rows. It runs right after
+// lm_head's projection, so lm_finish, argmax_rows and the host all see the finished logits.
+extern "C" __global__ void finish_logits(float* __restrict__ x, int ldx, int N, float div, float cap)
+{
+    grid_dep_launch();
+    grid_dep_wait();
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    float* p = x + (size_t)blockIdx.y * ldx + n;
+    float v = *p;
+    if (div != 1.f) v = v / div;
+    if (cap > 0.f) v = soft_cap(v, cap);
+    *p = v;
+}
 
 // The decode step's last kernel: the greedy token of the logits row, numpy's argmax (the first index of the
 // largest logit; a NaN counts as largest). Each block reduces FIN_T * FIN_E columns to (value, index) in

@@ -45,6 +45,7 @@ from kestrel_cuda.plan import (
     PostNorm,
     QkvRope,
     RouteFold,
+    check_add_scale,
     check_route_fold,
     tagged_merge,
 )
@@ -60,8 +61,8 @@ GEMV_VARIANTS = ([(bits, g, mr, 0) for bits in (8, 4) for g in (32, 256) for mr 
                  + [(bits, 32, 1, FOLD_ROUTER) for bits in (8, 4)]
                  + [(bits, g, 1, FOLD_ATTENTION) for bits in (8, 4) for g in (32, 256)])
 # extern "C" kernels: no name expression
-KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "norm_add_rows", "lm_finish", "argmax_rows",
-           "moe_route", "moe_combine", "moe_group")
+KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "norm_add_rows", "finish_logits", "lm_finish",
+           "argmax_rows", "moe_route", "moe_combine", "moe_group")
 Observer = Callable[[str, Callable[[], None]], None]
 
 
@@ -299,9 +300,11 @@ class CupyOps(MoeOps, AttentionOps):
              bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None,
              experts: tuple[Any, Any, int] | None = None, sel_ready: bool = False,
              post: PostNorm | None = None, quantized: bool = False, fold_norm: Any = None,
-             prenormed: bool = False, route: RouteFold | None = None) -> None:
-        """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
-        prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``post`` (M = 1):
+             prenormed: bool = False, route: RouteFold | None = None, add_scale: float = 1.0) -> None:
+        """``add_scale`` (EPI_ADD, none of the folds below): y += (lin(x) + bias) * add_scale, Granite's residual
+        multiplier (plan.check_add_scale). ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of
+        squares, read by an RMSNorm prologue (pro 1) instead of the row, written with a residual-add epilogue's
+        outputs. ``post`` (M = 1):
         with pro PRO_POSTNORM this GEMV reads the post-norm (x is its ``h``), else it is the projection before
         it (y is its ``out``). ``rope`` (M = 1,
         one head per column tile): the epilogue does qkv_rope's work instead of storing. ``experts`` (table,
@@ -315,10 +318,12 @@ class CupyOps(MoeOps, AttentionOps):
         (M = 1, the o projection: PRO_PLAIN, EPI_STORE, ``bias`` the residual h, y the other row, G = 32): the
         router's blocks beside it (plan.RouteFold), its K splits merged through the counters or a cluster."""
         m = x.shape[0]
+        folded = experts is not None or post is not None or rope is not None
         if route is not None:
-            check_route_fold(route, lin, m, pro, epi, bias, experts is not None or post is not None or rope is not None)
+            check_route_fold(route, lin, m, pro, epi, bias, folded)
         if post is not None and (m != 1 or experts is not None):
             raise ValueError("a post-norm folds into M = 1 GEMVs only")
+        check_add_scale(add_scale, epi, folded or route is not None)
         if m > 1:
             ssq_in = ssq_out = None
         ldx = _ld(x)
@@ -326,7 +331,7 @@ class CupyOps(MoeOps, AttentionOps):
             table, sel, m = experts
             ldx = _i32(0) if x.shape[0] == 1 else ldx
         elif m > 1 and self.gemm is not None:
-            self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias, quantized, fold_norm, prenormed)
+            self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias, quantized, fold_norm, prenormed, add_scale)
             return
         if quantized or prenormed or fold_norm is not None:
             raise ValueError("pre-quantized rows are the tiled GEMM's (M > 1)")
@@ -349,7 +354,8 @@ class CupyOps(MoeOps, AttentionOps):
         self.launch(fn, (lin.tiles + (route.groups if route else 0), ksplit, -(-m // mr)), (256,),
                     (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                      _ptr(x), ldx, _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
-                     _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters), _ptr(self.merge),
+                     _ptr(y), _ld(y), _i32(epi), np.float32(add_scale), _ptr(bias), _ptr(self.part),
+                     _ptr(self.counters), _ptr(self.merge),
                      _ptr(self.epochs if tagged else None), _ptr(ssq_in), _ptr(ssq_out), *_rope_args(rope),
                      *((_ptr(None), _ptr(None)) if experts is None else (_ptr(table), _ptr(sel))),
                      _i32(sel_ready and experts is not None), *_post_args(post, pro), *_route_args(route),
@@ -357,11 +363,11 @@ class CupyOps(MoeOps, AttentionOps):
                     EXPERT_TABLE_ROWS * 16 if experts is not None else 0, cluster=cluster, name="qgemv")
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
-               bias: Any, quantized: bool, fold_norm: Any, prenormed: bool) -> None:
+               bias: Any, quantized: bool, fold_norm: Any, prenormed: bool, add_scale: float = 1.0) -> None:
         """Prologue kernel -> codes/scales, the tiled GEMM (gemm.DeviceGemm) -> tmp, epilogue kernel -> y;
-        without a bias the GEMM stores into y, or adds to it (EPI_ADD), itself."""
+        without a bias or a residual multiplier the GEMM stores into y, or adds to it (EPI_ADD), itself."""
         m, k, g = x.shape[0], lin.k, lin.group_size
-        direct = bias is None
+        direct = bias is None and add_scale == 1.0
         tmp = y if direct else self._scratch("tmp", m * lin.npad, np.float32).reshape(m, lin.npad)
         add = direct and epi == EPI_ADD
         if prenormed and pro != PRO_RMSNORM or fold_norm is not None and not add:
@@ -378,7 +384,8 @@ class CupyOps(MoeOps, AttentionOps):
         if direct:
             return
         self.launch(self._fn["add_rows"], (-(-lin.n // 256), m), (256,),
-                    (_ptr(tmp), _ld(tmp), _i32(m), _i32(lin.n), _ptr(y), _ld(y), _i32(epi), _ptr(bias)),
+                    (_ptr(tmp), _ld(tmp), _i32(m), _i32(lin.n), _ptr(y), _ld(y), _i32(epi), np.float32(add_scale),
+                     _ptr(bias)),
                     name="add_rows")
 
     def gemm_input(self, m: int, k: int, g: int) -> tuple[Any, Any]:
@@ -424,6 +431,13 @@ class CupyOps(MoeOps, AttentionOps):
                 self._outgrown.append(buf)
             buf = self._tiled_bufs[name] = self.zeros(grown, dtype)
         return buf[:size]
+
+    def finish_logits(self, logits: Any, div: float, cap: float) -> None:
+        """logits [rows, N] in place: divided by ``div``, then cap * tanh(x / cap) where cap > 0 (lm_finish.cu
+        finish_logits: Granite's logits_scaling, Gemma 2's final soft cap)."""
+        m, n = logits.shape
+        self.launch(self._fn["finish_logits"], (-(-n // 256), m), (256,),
+                    (_ptr(logits), _ld(logits), _i32(n), np.float32(div), np.float32(cap)), name="finish_logits")
 
     def greedy_token(self, logits: Any, scratch: tuple[Any, Any, Any], meta: Any, limit: int,
                      tokens: np.ndarray) -> None:

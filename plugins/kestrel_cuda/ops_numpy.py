@@ -36,6 +36,7 @@ from kestrel_cuda.plan import (
     QkvRope,
     RouteFold,
     attend_folds,
+    check_add_scale,
     check_expert_table,
     check_route_fold,
     expert_groups,
@@ -254,16 +255,17 @@ class NumpyOps:
              ssq_out: np.ndarray | None = None, rope: QkvRope | None = None,
              experts: tuple[list[Lin], np.ndarray, int] | None = None, sel_ready: bool = False,
              post: PostNorm | None = None, quantized: bool = False, fold_norm: np.ndarray | None = None,
-             prenormed: bool = False, route: RouteFold | None = None) -> None:
+             prenormed: bool = False, route: RouteFold | None = None, add_scale: float = 1.0) -> None:
         # ``quantized``: CupyOps' codes written by attention; here x's rows are quantized as those were. The
         # norm fold: a ``prenormed`` GEMV reads the rows the last ``fold_norm`` residual add stored, for its norm
         if prenormed and (self._fold is None or self._fold[1] is not pw or not _same_rows(self._fold[0], x)):
             raise ValueError("prenormed rows without the norm fold of those rows for that norm")
         if epi == EPI_ADD:  # y's rows change
             self._fold = (y, fold_norm) if fold_norm is not None else None
+        folded = experts is not None or post is not None or rope is not None
         if route is not None:
-            check_route_fold(route, lin, x.shape[0], pro, epi, bias,
-                             experts is not None or post is not None or rope is not None)
+            check_route_fold(route, lin, x.shape[0], pro, epi, bias, folded)
+        check_add_scale(add_scale, epi, folded or route is not None)
 
         def fn() -> None:
             if experts is not None:  # row j: expert sel[j] on row j of x (or its one row)
@@ -290,7 +292,7 @@ class NumpyOps:
             if post is not None and pro != PRO_POSTNORM:  # the projection before a post-norm
                 post.stats[:4 * -(-lin.n // TILE_N)] = _postnorm_stats(out, post)
                 out = out * post.weight[:lin.n]
-            y[...] = y + out if epi == EPI_ADD else out
+            y[...] = y + out * np.float32(add_scale) if epi == EPI_ADD else out
             if ssq_out is not None:
                 ssq_out[:ssq_count(lin.n)] = _row_ssq(y[0])
             if route is not None:
@@ -367,6 +369,12 @@ class NumpyOps:
                 y[row0:row0 + count] = _qgemv(table[int(e)], x[row0:row0 + count], pro, None, 0.0, xoff, None)
         self._run(fn)
 
+    def finish_logits(self, logits: np.ndarray, div: float, cap: float) -> None:
+        def fn() -> None:
+            x = logits / np.float32(div) if div != 1.0 else logits
+            logits[...] = np.tanh(x / np.float32(cap)) * np.float32(cap) if cap > 0 else x
+        self._run(fn)
+
     def greedy_token(self, logits: np.ndarray, scratch: Any, meta: np.ndarray, limit: int,
                      tokens: np.ndarray) -> None:
         def fn() -> None:
@@ -393,8 +401,9 @@ class NumpyOps:
 
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, scale: float,
                   meta: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None,
-                  tables: np.ndarray | None = None, window: int = 0, quantize_for: Lin | None = None) -> bool:
-        self._run(lambda: _attend(q, kc, vc, heads, hd, scale, meta, out, rows, tables, window))
+                  tables: np.ndarray | None = None, window: int = 0, quantize_for: Lin | None = None,
+                  softcap: float = 0.0) -> bool:
+        self._run(lambda: _attend(q, kc, vc, heads, hd, scale, meta, out, rows, tables, window, softcap))
         return False  # the next gemv quantizes ``out`` itself
 
     def attend_folds(self, qkv: Lin, capacity: int) -> bool:
@@ -409,8 +418,10 @@ class NumpyOps:
 
 
 def _attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, scale: float, meta: np.ndarray,
-            out: np.ndarray, rows: np.ndarray | None = None, tables: np.ndarray | None = None, window: int = 0) -> None:
-    """Decode attention and causal prefill: each row of q over its cache positions (the last ``window``)."""
+            out: np.ndarray, rows: np.ndarray | None = None, tables: np.ndarray | None = None, window: int = 0,
+            softcap: float = 0.0) -> None:
+    """Decode attention and causal prefill: each row of q over its cache positions (the last ``window``), its
+    scores soft-capped where ``softcap`` > 0."""
     m = q.shape[0]
     pos, slots = _row_slots(m, meta, rows, tables)
     g = heads // kc.shape[0]
@@ -420,6 +431,8 @@ def _attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, 
         qh = q[r].reshape(heads, hd) * np.float32(scale)
         for h in range(heads):
             s = kc[h // g, cache] @ qh[h]  # [n]
+            if softcap > 0:
+                s = np.tanh(s / np.float32(softcap)) * np.float32(softcap)
             e = np.exp(s - s.max())
             out[r, h * hd:(h + 1) * hd] = (e / e.sum()) @ vc[h // g, cache]
 

@@ -199,6 +199,13 @@ def check_route_fold(route: RouteFold, lin: Lin, m: int, pro: int, epi: int, bia
         raise ValueError("a router folds into the o projection's M = 1 GEMV at G = 32 only, storing h + o(x)")
 
 
+def check_add_scale(add_scale: float, epi: int, folded: bool) -> None:
+    """A residual multiplier (``ops.gemv(add_scale=...)``, Granite's) scales a plain residual add's projection
+    only: EPI_ADD, and ``folded`` (experts, a post-norm, RoPE or a router) none."""
+    if add_scale != 1.0 and (epi != EPI_ADD or folded):
+        raise ValueError("a residual multiplier scales a plain residual add (EPI_ADD) only")
+
+
 def plan_ksplit(lin: Lin, target_blocks: int) -> int:
     """K splits of the M=1 GEMV: enough blocks (tiles x splits) to fill the GPU, at most one per chunk. Where
     a split at or above that divides the chunks evenly and still gives every block two chunks or more, the

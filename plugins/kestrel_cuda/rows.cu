@@ -104,9 +104,10 @@ __global__ void __launch_bounds__(NT) quantize_rows(
     }
 }
 
-// Y[m][n] (+)= T[m][n] (+ bias[n]): the epilogue of the tiled-GEMM path.
+// Y[m][n] = T[m][n] (+ bias[n]) (epi 0), or Y[m][n] += (T[m][n] (+ bias[n])) * mul (epi 1; mul: Granite's residual
+// multiplier, 1 elsewhere, an exact multiply): the epilogue of the tiled-GEMM path.
 extern "C" __global__ void add_rows(const float* __restrict__ T, int ldt, int M, int N, float* __restrict__ Y, int ldy,
-                         int epi, const float* __restrict__ bias)
+                         int epi, float mul, const float* __restrict__ bias)
 {
     grid_dep_launch();
     grid_dep_wait();
@@ -115,7 +116,7 @@ extern "C" __global__ void add_rows(const float* __restrict__ T, int ldt, int M,
     float y = T[(size_t)m * ldt + n];
     if (bias) y = y + bias[n];
     float* dst = Y + (size_t)m * ldy + n;
-    *dst = epi == 1 ? *dst + y : y;
+    *dst = epi == 1 ? *dst + y * mul : y;
 }
 
 // Y[m][:] += rmsnorm(X[m][:], w, eps): a post-norm on a projection's output before the residual add (Gemma),

@@ -15,7 +15,7 @@ above that band.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,10 @@ _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_f
 # Small models of each family for the checks: llama (tied embedding, llama3 RoPE scaling, odd vocabulary so
 # lm_head N % 4 != 0), qwen2 (q/k/v bias; F=320 is not a multiple of 256, so g256 modes fall back to G=32
 # for down), qwen3 (q/k norm, head_dim 128 != D/H, one KV head), gemma3 (post-norms, GeGLU, scaled embedding
-# and queries, a sliding and a full layer with their own RoPE: the device runs the window's 64 positions).
-# Every K is a multiple of 256 otherwise.
+# and queries, a sliding and a full layer with their own RoPE: the device runs the window's 64 positions), gemma2
+# (gemma3's layers without q/k norms, one RoPE, soft caps small enough to change every logit:
+# test_forward_models_host checks that each does), granite (Granite 3's multipliers: embeddings x 12, the query
+# scale 1/64, the residual adds x 0.22, the logits / 8). Every K is a multiple of 256 otherwise.
 SMALL_CONFIGS: dict[str, ModelConfig] = {
     "llama": ModelConfig(arch="llama", vocab_size=509, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=8, num_kv_heads=2, head_dim=32, max_position=4096, tie_word_embeddings=True,
@@ -60,6 +62,14 @@ SMALL_CONFIGS: dict[str, ModelConfig] = {
                           rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 4.0},
                           rope_local_theta=10000.0, query_scale=0.0625, embed_scale=16.0, activation="gelu_tanh",
                           post_norms=True),
+    "gemma2": ModelConfig(arch="gemma2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=128, max_position=4096, tie_word_embeddings=True,
+                          sliding_window=64, layer_types=("sliding", "full"), rope_theta=10000.0, query_scale=0.0625,
+                          embed_scale=16.0, activation="gelu_tanh", post_norms=True, attn_softcap=1.0,
+                          final_softcap=4.0),
+    "granite": ModelConfig(arch="granite", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=64, max_position=4096, rope_theta=10000.0,
+                           embed_scale=12.0, query_scale=0.015625, residual_scale=0.22, logits_scaling=8.0),
 }
 
 
@@ -265,6 +275,19 @@ def assert_in_the_band(model, n_tokens: int, n_prefill: int,  # type: ignore[no-
     result = compare(device_logits(fwd, model, toks, n_prefill), ref, jitter_effect(model, toks, n_prefill, ref))
     assert result.ok, str(result)
     return fwd
+
+
+def assert_each_change_leaves_the_band(model: Model, changes: list[dict[str, Any]], n_tokens: int = 40,
+                                       n_prefill: int = 24) -> None:
+    """The CPU decoder with each of ``changes`` to ``model``'s config (a soft cap or a multiplier left out, say)
+    lands far outside the band of its logits, over twice it: a device forward within the band has each right."""
+    toks = random_tokens(model.config, n_tokens)
+    ref = cpu_logits(model, toks, n_prefill)
+    jitter = jitter_effect(model, toks, n_prefill, ref)
+    for change in changes:
+        other = replace(model, config=replace(model.config, **change))
+        result = compare(cpu_logits(other, toks, n_prefill), ref, jitter)
+        assert not result.ok and result.rel_err > 2 * result.tol, f"{change}: {result}"
 
 
 def assert_leaves_the_band(model, ops, n_tokens: int = 40, n_prefill: int = 24) -> None:  # type: ignore[no-untyped-def]

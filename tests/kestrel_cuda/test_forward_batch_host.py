@@ -64,7 +64,7 @@ def _assert_like_cpu(model, tokens, got: np.ndarray) -> None:  # type: ignore[no
     assert result.ok, str(result)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "granite"])
 def test_every_batched_row_is_the_cpu_decoders_within_the_band(arch: str, make_fwd) -> None:  # type: ignore[no-untyped-def]
     """Prompts of different lengths prefilled together, then decoded together (the captured bucket graph):
     every row is the CPU decoder's for that sequence, within the jitter band."""

@@ -1,7 +1,7 @@
 """The device forward's host side for the models beyond the Llama family, over the numpy mirrors of its kernels
-(as test_forward_host.py): Mistral's sliding window, Gemma 3 (post-norms, GeGLU, a head_dim of 256), longrope and
-YaRN, and mixtures of experts (routing, expert groups, the residency window), each against the CPU decoder, and each
-done deliberately wrong leaving the band."""
+(as test_forward_host.py): Mistral's sliding window, Gemma 3 (post-norms, GeGLU, a head_dim of 256), Gemma 2's soft
+caps, Granite's multipliers, longrope and YaRN, and mixtures of experts (routing, expert groups, the residency
+window), each against the CPU decoder, and each done deliberately wrong leaving the band."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from kestrel_cuda.residency import WeightCache
 from .forward_check import (
     FIXTURES,
     SMALL_CONFIGS,
+    assert_each_change_leaves_the_band,
     assert_in_the_band,
     assert_leaves_the_band,
     cache_source,
@@ -256,26 +257,24 @@ def test_a_mixture_of_experts_decoded_with_the_wrong_experts_leaves_the_band() -
         assert_leaves_the_band(model, wrong, n_tokens=20, n_prefill=12)
 
 
-@pytest.mark.parametrize(("fixture", "why"), [("tiny-gemma2", "architecture 'gemma2'"),
-                                              ("tiny-gpt-oss", "architecture 'gpt_oss'"),
-                                              ("tiny-granite.gguf", "architecture 'granite'"),
+@pytest.mark.parametrize(("fixture", "why"), [("tiny-gpt-oss", "architecture 'gpt_oss'"),
                                               ("tiny-olmo2", "architecture 'olmo2'"),
                                               ("tiny-exaone4.gguf", "architecture 'exaone4'"),
                                               ("tiny-cohere", "architecture 'cohere'"),
                                               ("tiny-cohere2.gguf", "architecture 'cohere2'")])
 def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None:
-    """Gemma 2 (soft caps), gpt-oss (sinks, biases, its clamped SwiGLU), Granite (its residual and logits
-    multipliers), OLMo 2 (norms after the blocks) and Cohere's (LayerNorms, parallel blocks, scaled logits) go
-    through the GEMM hooks; the reason names the architecture."""
+    """gpt-oss (sinks, biases, its clamped SwiGLU), OLMo 2 (norms after the blocks) and Cohere's (LayerNorms,
+    parallel blocks, scaled logits) go through the GEMM hooks; the reason names the architecture."""
     from kestrel_core.model.loader import load_model
 
     model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
     assert unsupported_reason(model) == why
 
 
-
-@pytest.mark.parametrize(("change", "why"), [({"residual_scale": 0.5}, "residual or logits multipliers"),
-                                             ({"logits_scaling": 2.0}, "residual or logits multipliers"),
+@pytest.mark.parametrize(("change", "why"), [({"residual_scale": 0.5, "post_norms": True},
+                                              "a residual multiplier with post-norms"),
+                                             ({"residual_scale": 0.5, "num_experts": 8, "experts_per_token": 2,
+                                               "expert_intermediate_size": 64}, "a residual multiplier with"),
                                              ({"o_bias": True}, "an output projection bias"),
                                              ({"pre_norms": False, "post_norms": True}, "norms only after each block"),
                                              ({"norm_type": "layer"}, "LayerNorms"),
@@ -287,3 +286,74 @@ def test_what_a_known_architecture_cannot_carry_is_declined(change: dict, why: s
     model = synthetic_model(CONFIGS["llama"], "q8", seed=1)
     assert unsupported_reason(model) is None
     assert why in (unsupported_reason(replace(model, config=replace(model.config, **change))) or "")
+
+
+# -- Gemma 2's soft caps and Granite's multipliers --------------------------------------------------------------
+
+CAPS_AND_MULTIPLIERS = {"gemma2": [{"attn_softcap": None}, {"final_softcap": None}],
+                        "granite": [{"residual_scale": 1.0}, {"logits_scaling": 1.0}, {"embed_scale": 1.0},
+                                    {"query_scale": None}]}
+GEMMA2_GRANITE = ["tiny-gemma2", "tiny-gemma2.gguf", "tiny-granite", "tiny-granite.gguf"]
+
+
+@pytest.mark.parametrize("fixture", GEMMA2_GRANITE)
+def test_gemma2_and_granite_run_on_the_device_forward(fixture: str) -> None:
+    """Their checkpoints, and the small configs with soft caps and Granite 3's multipliers, are the device
+    forward's (kestrel_forward_supports says so at load)."""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
+    assert unsupported_reason(model) is None
+    for arch in CAPS_AND_MULTIPLIERS:
+        assert unsupported_reason(synthetic_model(CONFIGS[arch], "q8", seed=1)) is None
+
+
+@pytest.mark.parametrize("arch", list(CAPS_AND_MULTIPLIERS))
+def test_each_soft_cap_and_multiplier_changes_the_cpus_logits(arch: str) -> None:
+    """The small configs' caps and multipliers each move the CPU decoder's logits far outside its band, so a
+    device forward within the band (test_forward_host's mirror, test_forward.py's GPU) has each of them right."""
+    assert_each_change_leaves_the_band(synthetic_model(CONFIGS[arch], "q8", seed=3), CAPS_AND_MULTIPLIERS[arch])
+
+
+@pytest.mark.parametrize("fixture", GEMMA2_GRANITE)
+def test_gemma2_and_granite_from_their_checkpoints_match_the_cpu(fixture: str) -> None:
+    """tiny-gemma2 (soft caps 5 and 8, a window of 8 on every other layer) and tiny-granite (its four
+    multipliers) as transformers and llama.cpp wrote them: a prefill past the window and captured decode steps
+    within the band; the pipelined greedy decode (lm_finish on the finished logits) gives the step-by-step
+    tokens."""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
+    assert_in_the_band(model, 24, 13)
+    prompt = random_tokens(model.config, 7)
+    expect, _ = stepwise_greedy(DeviceForward(ops=NumpyOps()), model, prompt, 6)
+    fwd = DeviceForward(ops=NumpyOps())
+    fwd.forward(model, 1, prompt, 0, False)
+    assert [expect[0]] + list(fwd.greedy(model, 1, expect[0], len(prompt), 6)) == expect
+
+
+class _NoAttentionCap(NumpyOps):
+    def attention(self, *args, **kw):  # type: ignore[no-untyped-def]
+        return super().attention(*args, **{**kw, "softcap": 0.0})
+
+
+class _NoFinalCap(NumpyOps):
+    def finish_logits(self, logits, div, cap):  # type: ignore[no-untyped-def]
+        super().finish_logits(logits, div, 0.0)
+
+
+class _NoResidualScale(NumpyOps):
+    def gemv(self, *args, **kw):  # type: ignore[no-untyped-def]
+        super().gemv(*args, **{**kw, "add_scale": 1.0})
+
+
+class _NoLogitsDivisor(NumpyOps):
+    def finish_logits(self, logits, div, cap):  # type: ignore[no-untyped-def]
+        super().finish_logits(logits, 1.0, cap)
+
+
+@pytest.mark.parametrize(("arch", "wrong"), [("gemma2", _NoAttentionCap), ("gemma2", _NoFinalCap),
+                                             ("granite", _NoResidualScale), ("granite", _NoLogitsDivisor)],
+                         ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_gemma2_and_granite_done_wrong_on_the_device_leave_the_band(arch: str, wrong: type) -> None:
+    assert_leaves_the_band(synthetic_model(CONFIGS[arch], "q8", seed=3), wrong())
