@@ -18,7 +18,7 @@ from kestrel_cuda.config import CudaConfig
 from kestrel_cuda.forward import DeviceForward
 from kestrel_cuda.ops_numpy import NumpyOps
 
-from .forward_check import DECLINING_BACKEND, SMALL_CONFIGS, compare, cpu_logits, jitter_effect
+from .forward_check import DECLINING_BACKEND, FIXTURES, SMALL_CONFIGS, compare, cpu_logits, jitter_effect
 
 POOL = 64  # blocks of the engine's pool in these tests
 
@@ -48,6 +48,11 @@ class Pages:
 
 
 def _model(arch: str = "qwen3", quant: str = "q8", seed: int = 3):  # type: ignore[no-untyped-def]
+    """A small config's synthetic model, or a fixture's checkpoint (``tiny-...``)."""
+    if arch.startswith("tiny-"):
+        from kestrel_core.model.loader import load_model
+
+        return load_model(str(FIXTURES / arch), quant, cache="off").model
     return synthetic_model(SMALL_CONFIGS[arch], quant, seed=seed)
 
 
@@ -64,10 +69,12 @@ def _assert_like_cpu(model, tokens, got: np.ndarray) -> None:  # type: ignore[no
     assert result.ok, str(result)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "granite"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "granite", "tiny-gemma2",
+                                  "tiny-granite"])
 def test_every_batched_row_is_the_cpu_decoders_within_the_band(arch: str, make_fwd) -> None:  # type: ignore[no-untyped-def]
     """Prompts of different lengths prefilled together, then decoded together (the captured bucket graph):
-    every row is the CPU decoder's for that sequence, within the jitter band."""
+    every row is the CPU decoder's for that sequence, within the jitter band (tiny-gemma2: soft caps over its
+    windows of 8)."""
     model = _model(arch)
     prompts = _prompts(model, (5, 37, 12))
     pages, fwd = Pages(), make_fwd()

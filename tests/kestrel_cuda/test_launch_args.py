@@ -75,10 +75,11 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[tuple[str, tupl
         _gemv={v: "qgemv" for v in ops_cupy.GEMV_VARIANTS}, _attn_decode={4: "attn_decode", 8: "attn_decode"},
         _attn_rows={hd: "attn_rows" for hd in (16, 32, 64, 128, 256)},
         _attn_rows_regs={hd: 128 for hd in (16, 32, 64, 128, 256)}, _quant={32: "quantize_rows", 256: "quantize_rows"},
-        gemm=gemm, stream=None, on_launch=None, launches=0, pdl=False, cluster=True, merge_mode="counter", merge_tiles=0,
-        _capturing=False, _captured=0, sm_count=132, sm_smem=233_472, sm_regs=65_536, _tiled_bufs={}, _outgrown=[],
-        part=_array(1 << 20), counters=_array(1 << 12, np.int32), merge=_array(1, np.uint64),
-        epochs=_array(1, np.uint32), attn_part=_array(1 << 20), attn_counters=_array(1 << 12, np.int32))
+        gemm=gemm, stream=None, on_launch=None, launches=0, pdl=False, cluster=True, merge_mode="counter",
+        merge_tiles=0, _capturing=False, _captured=0, sm_count=132, sm_smem=233_472, sm_regs=65_536,
+        _tiled_bufs={}, _outgrown=[], part=_array(1 << 20), counters=_array(1 << 12, np.int32),
+        merge=_array(1, np.uint64), epochs=_array(1, np.uint32), attn_part=_array(1 << 20),
+        attn_counters=_array(1 << 12, np.int32))
     return ops, launches
 
 
