@@ -9,18 +9,28 @@ Skipped where CuPy or a CUDA device is missing (CI); run on the H200 machine.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
 
 from kestrel_core.model.loader import load_model  # noqa: E402
+from kestrel_core.model.presets import synthetic_model  # noqa: E402
 from kestrel_cuda.forward import DeviceForward  # noqa: E402
 from kestrel_cuda.ops_cupy import CupyOps  # noqa: E402
 from kestrel_cuda.ops_numpy import NumpyOps  # noqa: E402
 from kestrel_cuda.plan import FINISH_COLS, KV_BLOCK, KV_DTYPE, TOKEN_RING, attn_part_size  # noqa: E402
 
-from .forward_check import FIXTURES, cuda_device_count, device_logits, random_tokens, stepwise_greedy  # noqa: E402
+from .forward_check import (  # noqa: E402
+    FIXTURES,
+    SMALL_CONFIGS,
+    cuda_device_count,
+    device_logits,
+    random_tokens,
+    stepwise_greedy,
+)
 from .test_forward import _check  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")]
@@ -137,3 +147,15 @@ def test_gemma2_and_granite_checkpoints_match_the_cpu(fixture, stream, gemm) -> 
     expect, _ = stepwise_greedy(DeviceForward(stream=stream, gemm=gemm), model, prompt, 8)
     fwd.forward(model, 1, prompt, 0, False)
     assert [expect[0]] + list(fwd.greedy(model, 1, expect[0], len(prompt), 8)) == expect
+
+
+@pytest.mark.parametrize("quant", ["q8", "q4"])
+def test_gemma2_where_attention_would_fold_into_qkv_matches_the_cpu(quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """Hidden 1024 and head_dim 128: the q|k|v GEMV's K splits run as clusters, where decode attention would run
+    in them; Gemma 2's capped scores keep attn_decode (the fold has no cap), and the logits the CPU's."""
+    model = synthetic_model(replace(SMALL_CONFIGS["gemma2"], hidden_size=1024), quant, seed=32)
+    toks = random_tokens(model.config, 30)
+    fwd = DeviceForward(stream=stream, gemm=gemm)
+    _check(model, toks, 12, device_logits(fwd, model, toks, 12))
+    if fwd.ops.cluster:
+        assert fwd.ops.attend_folds(fwd.projections.layer(model, 0).qkv[0], 1024)

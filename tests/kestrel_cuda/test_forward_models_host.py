@@ -357,3 +357,20 @@ class _NoLogitsDivisor(NumpyOps):
                          ids=lambda v: v if isinstance(v, str) else v.__name__)
 def test_gemma2_and_granite_done_wrong_on_the_device_leave_the_band(arch: str, wrong: type) -> None:
     assert_leaves_the_band(synthetic_model(CONFIGS[arch], "q8", seed=3), wrong())
+
+
+def test_gemma2_decode_attention_keeps_its_kernel_where_it_would_fold() -> None:
+    """With the q|k|v GEMV's K splits as clusters (hidden 1024, head_dim 128) decode attention would fold into
+    that GEMV, whose instances have no soft cap: Gemma 2's decode steps launch their attention (which caps the
+    scores) in every layer instead, within the band."""
+    model = synthetic_model(replace(CONFIGS["gemma2"], hidden_size=1024), "q8", seed=31)
+    ops = NumpyOps(cluster=True)
+    caps: list[float] = []
+    ops.attention = lambda *a, **k: caps.append(k["softcap"]) or NumpyOps.attention(ops, *a, **k)  # type: ignore[method-assign]
+    fwd = DeviceForward(ops=ops)
+    toks = random_tokens(model.config, 12)
+    ref = cpu_logits(model, toks, 6)
+    result = compare(device_logits(fwd, model, toks, 6), ref, jitter_effect(model, toks, 6, ref))
+    assert result.ok, str(result)
+    assert ops.attend_folds(fwd.projections.layer(model, 0).qkv[0], 1024)  # it would fold without the cap
+    assert caps == [1.0] * model.config.num_layers * 2  # the prefill's and the captured decode step's
