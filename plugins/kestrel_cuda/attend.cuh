@@ -225,7 +225,7 @@ __device__ __forceinline__ void attend_rest(const AttendArgs& a, const kv_t* kb,
         mbar_wait(&s.q_bar, 0);
         const float4 q = *reinterpret_cast<const float4*>(&s.q[4 * lane]);
         qr[0] = q.x * a.scale; qr[1] = q.y * a.scale; qr[2] = q.z * a.scale; qr[3] = q.w * a.scale;
-    }, kb, vb, TN, pb, pe, warp, NT / 32, lane, 0.f, mx, l, acc);
+    }, kb, vb, TN, pb, pe, warp, NT / 32, lane, 0.f, mx, l, acc);  // no soft cap: capped models keep attn_decode
     merge_warps<4, NT / 32>(mx, l, acc, TN, warp, lane, s.m, s.l, s.acc, s.rec[0]);
     __syncthreads();
     if (threadIdx.x < ATT_REC(TN)) push_to(&s.rec[rank][threadIdx.x], &s.rec_bar, s.rec[0][threadIdx.x], 0);
