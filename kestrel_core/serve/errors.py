@@ -40,7 +40,8 @@ class APIError(Exception):
     """An error answered as ``status`` with OpenAI's body (``type`` defaults from the status)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None,
+                 exceeded: ContextExceeded | None = None) -> None:
         message = _quoted(message)
         super().__init__(message)
         self.status = status
@@ -49,6 +50,7 @@ class APIError(Exception):
         self.code = code
         self.type = type or _TYPES.get(status, "server_error")
         self.headers = headers
+        self.exceeded = exceeded  # a prompt past the context: each API words it its own way
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -65,14 +67,14 @@ class APIError(Exception):
                 new_head = ".".join(parts[i] if p == "*" else p for i, p in enumerate(names[key].split(".")))
                 message = new_head + self.message[len(head):] if self.message.startswith(head) else self.message
                 return APIError(self.status, message, param=new_head + (self.param or "")[len(head):],
-                                code=self.code, type=self.type, headers=self.headers)
+                                code=self.code, type=self.type, headers=self.headers, exceeded=self.exceeded)
         return self
 
     def response(self, path: str = "") -> JSONResponse:
         """The answer, in the shape the clients of the API ``path`` belongs to read: Ollama's
         ``{"error": message}`` under ``/api/``, Anthropic's ``{"type": "error", "error": {"type", "message"}}``
-        under ``/v1/messages`` (a 429 as Anthropic's 529), llama.cpp's (``llama_cpp_error``) under its routes, else
-        OpenAI's."""
+        under ``/v1/messages`` (a 429 as Anthropic's 529, a prompt past the context in Anthropic's words),
+        llama.cpp's (``llama_cpp_error``) under its routes, else OpenAI's."""
         status = self.status
         if path.startswith("/api/"):
             body: dict[str, Any] = {"error": self.message}
@@ -82,10 +84,19 @@ class APIError(Exception):
         elif path == "/v1/messages" or path.startswith("/v1/messages/"):
             status = ANTHROPIC_OVERLOADED if status == 429 else status
             kind = _ANTHROPIC_TYPES.get(status, "api_error")
-            body = {"type": "error", "error": {"type": kind, "message": self.message}}
+            message = self.message if self.exceeded is None else _prompt_too_long(self.exceeded)
+            body = {"type": "error", "error": {"type": kind, "message": message}}
         else:
             body = self.body()
         return JSONResponse(body, status_code=status, headers=self.headers)
+
+
+def _prompt_too_long(exc: ContextExceeded) -> str:
+    """Anthropic's words for a prompt past the context, which its clients match to compact the conversation (Claude
+    Code reads the two counts). A prompt that fills the context leaves no room for an answer: its maximum is a token
+    less, so that the numbers say it."""
+    maximum = exc.context if exc.tokens > exc.context else exc.context - 1
+    return f"prompt is too long: {exc.tokens} tokens > {maximum} maximum"
 
 
 def _quoted(text: str) -> str:
@@ -111,7 +122,8 @@ def from_kestrel_error(exc: KestrelError, *, accepting: bool = True, param: str 
     if isinstance(exc, ContextExceeded):  # OpenAI's code and words, which clients match to shorten a conversation
         room = ", which leaves no room for an answer" if exc.tokens <= exc.context else ""
         return APIError(400, f"This model's maximum context length is {exc.context} tokens. However, the {exc.what} "
-                        f"has {exc.tokens} tokens{room}.", param=exc.param or param, code="context_length_exceeded")
+                        f"has {exc.tokens} tokens{room}.", param=exc.param or param, code="context_length_exceeded",
+                        exceeded=exc)
     if isinstance(exc, InvalidRequest):
         return APIError(400, str(exc), param=exc.param or param, code="invalid_value")
     return APIError(400, str(exc), param=param)  # e.g. a chat template that failed on these messages

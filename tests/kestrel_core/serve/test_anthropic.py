@@ -335,3 +335,35 @@ def test_errors_have_anthropics_types_and_field_names(an: anthropic.Anthropic, s
     with pytest.raises(anthropic.PermissionDeniedError) as caught:
         foreign.messages.create(model=NAME, max_tokens=2, messages=HI)
     assert caught.value.body["error"]["type"] == "permission_error"
+
+
+CONTEXT = 256  # tiny-qwen3's
+LONG = [{"role": "user", "content": "hi " * 300}]
+
+
+def _too_long(caught: pytest.ExceptionInfo[anthropic.BadRequestError], tokens: int, maximum: int) -> None:
+    """Anthropic's error for a prompt past the context, which Claude Code matches to compact the conversation."""
+    assert caught.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": f"prompt is too long: {tokens} tokens > {maximum} maximum"}}
+
+
+@pytest.mark.parametrize(("max_tokens", "stream"), [(5, False), (5, True), (0, False)])
+def test_a_prompt_past_the_context_is_anthropics_prompt_is_too_long(an: anthropic.Anthropic, max_tokens: int,
+                                                                    stream: bool) -> None:
+    tokens = an.messages.count_tokens(model=NAME, messages=LONG).input_tokens
+    assert tokens > CONTEXT
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        an.messages.create(model=NAME, max_tokens=max_tokens, messages=LONG, stream=stream)
+    _too_long(caught, tokens, CONTEXT)
+
+
+def test_a_prompt_that_fills_the_context_is_one_token_too_long(an: anthropic.Anthropic) -> None:
+    """It leaves no room for an answer: the longest prompt taken is a token shorter than the context."""
+    def tokens(text: str) -> int:
+        return an.messages.count_tokens(model=NAME, messages=[{"role": "user", "content": text}]).input_tokens
+
+    fills = next(text for k in range(100, 130) for text in ("hi " * k, "hi" * k) if tokens(text) == CONTEXT)
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        an.messages.create(model=NAME, max_tokens=5, messages=[{"role": "user", "content": fills}])
+    _too_long(caught, CONTEXT, CONTEXT - 1)
+
