@@ -12,12 +12,13 @@ refuses is refused with its words, though the chat request would take it: a ``te
 ``tool_use`` whose ``tool_result`` is not in the next turn or a ``tool_result`` whose ``tool_use`` is not in the turn
 before, an empty message but the last assistant one. The answer comes back as Anthropic's content blocks
 (``thinking``, ``text``, ``tool_use``), whole or as Anthropic's event stream (``message_start``, a
-``content_block_start`` / ``_delta`` / ``_stop`` run a block, ``message_delta`` with the stop reason and the output
-tokens, ``message_stop``). Stop reasons: ``end_turn``, ``max_tokens``, ``tool_use``,
-``stop_sequence`` with the sequence that ended the answer, and ``model_context_window_exceeded``. Thinking
-blocks carry an empty signature: nothing here signs them. Errors are Anthropic's ``{"type": "error", "error":
-{"type", "message"}}`` (a server at capacity: its 529 overloaded_error); the model is one the server serves, by its
-name.
+``content_block_start`` / ``_delta`` / ``_stop`` run a block, ``message_delta`` with the stop reason and the
+answer's usage, ``message_stop``). The usage's ``input_tokens`` leave out the prompt tokens the prefix cache held,
+which are its ``cache_read_input_tokens``, as Anthropic's leave out its cache's reads. Stop reasons: ``end_turn``,
+``max_tokens``, ``tool_use``, ``stop_sequence`` with the sequence that ended the answer, and
+``model_context_window_exceeded``. Thinking blocks carry an empty signature: nothing here signs them. Errors are
+Anthropic's ``{"type": "error", "error": {"type", "message"}}`` (a server at capacity: its 529 overloaded_error; a
+prompt past the context: its "prompt is too long"); the model is one the server serves, by its name.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kestrel_core.serve.bodies import RequestBody
 from kestrel_core.serve.errors import APIError, named_as, validated
-from kestrel_core.serve.generation import retold
+from kestrel_core.serve.generation import EventStreamResponse, retold
 from kestrel_core.serve.offload import json_body, off_loop
 from kestrel_core.serve.protocol import ChatCompletionRequest
+from kestrel_core.serve.responses import usage as chat_usage
 from kestrel_core.serve.tools import arguments_object
 
 if TYPE_CHECKING:
@@ -321,6 +323,16 @@ def _stop(choice: dict[str, Any], max_tokens: int, output_tokens: int) -> tuple[
     return reason, None
 
 
+def _usage(chat: dict[str, Any]) -> dict[str, int]:
+    """A chat answer's usage as Anthropic's, whose ``input_tokens`` are the prompt's tokens read neither from the
+    cache (``cache_read_input_tokens``: those the prefix cache held) nor into it (``cache_creation_input_tokens``:
+    none, since every prompt is cached as it is read, with no ``cache_control`` to ask for it), the three adding up
+    to the prompt's tokens."""
+    cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat.get("prompt_tokens", 0) - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": chat.get("completion_tokens", 0)}
+
+
 def _envelope(message_id: str, model: str, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
               usage: dict[str, int]) -> dict[str, Any]:
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
@@ -358,9 +370,11 @@ class _Blocks:
         return [*events, _event("content_block_stop", {"index": self.index})]
 
 
-async def _events(message_id: str, model: str, max_tokens: int,
+async def _events(message_id: str, model: str, max_tokens: int, cached: int,
                   chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """An OpenAI chat stream's chunks as Anthropic's event stream."""
+    """An OpenAI chat stream's chunks as Anthropic's event stream (``cached``: the prompt's tokens the prefix cache
+    held, which ``message_start`` says before the chat stream's last chunk does); ``message_delta``'s usage is the
+    whole answer's, as Anthropic's."""
     blocks = _Blocks()
     started = False
     finish: dict[str, Any] = {}  # the choice that finished
@@ -374,15 +388,15 @@ async def _events(message_id: str, model: str, max_tokens: int,
         output = usage.get("completion_tokens", output)
         if not started:
             started = True
-            start = _envelope(message_id, model, [], (None, None), {"input_tokens": usage.get("prompt_tokens", 0),
-                                                                    "output_tokens": 0})
+            read = _usage(chat_usage(usage.get("prompt_tokens", 0), 0, cached))
+            start = _envelope(message_id, model, [], (None, None), read)
             yield _event("message_start", {"message": start})
         if not chunk.get("choices"):  # the final usage: the message is complete
             for e in blocks.close():
                 yield e
             reason, sequence = _stop(finish, max_tokens, output)
             delta = {"stop_reason": reason, "stop_sequence": sequence}
-            yield _event("message_delta", {"delta": delta, "usage": {"output_tokens": output}})
+            yield _event("message_delta", {"delta": delta, "usage": _usage(usage)})
             yield _event("message_stop", {})
             return
         choice = chunk["choices"][0]
@@ -411,12 +425,12 @@ async def _prompt_only(served: Served, body: MessagesBody, request: Request, mes
         read = await served.read_prompt(lambda: body.openai(False), request)
     if isinstance(read, Response):
         return read
-    message = _envelope(message_id, body.model, [], ("max_tokens", None), {"input_tokens": read, "output_tokens": 0})
+    message = _envelope(message_id, body.model, [], ("max_tokens", None), _usage(read))
     if not body.stream:
         return JSONResponse(message)
     events = [_event("message_start", {"message": {**message, "stop_reason": None}}),
               _event("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None},
-                                       "usage": {"output_tokens": 0}}),
+                                       "usage": message["usage"]}),
               _event("message_stop", {})]
     return Response(b"".join(events), media_type="text/event-stream")
 
@@ -434,9 +448,7 @@ def install(app: FastAPI, models: Models) -> None:
         def whole(answer: dict[str, Any]) -> dict[str, Any]:
             choice, usage = answer["choices"][0], answer.get("usage") or {}
             stop = _stop(choice, max_tokens, usage.get("completion_tokens", 0))
-            return _envelope(message_id, body.model, _blocks(choice["message"]), stop,
-                             {"input_tokens": usage.get("prompt_tokens", 0),
-                              "output_tokens": usage.get("completion_tokens", 0)})
+            return _envelope(message_id, body.model, _blocks(choice["message"]), stop, _usage(usage))
 
         max_tokens = body.max_tokens
         if max_tokens == 0:  # Anthropic's way to warm the prompt cache: the prompt is read, nothing generated
@@ -444,7 +456,9 @@ def install(app: FastAPI, models: Models) -> None:
         with named_as(ANTHROPIC_NAMES):
             chat = await off_loop(request, lambda: validated(ChatCompletionRequest, body.openai(body.stream)))
             response = await served.chat(chat, request)
-        return await retold(response, whole, lambda chunks: _events(message_id, body.model, max_tokens, chunks))
+        cached = response.cached_tokens if isinstance(response, EventStreamResponse) else 0
+        return await retold(response, whole,
+                            lambda chunks: _events(message_id, body.model, max_tokens, cached, chunks))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: Annotated[MessagesBody, json_body(MessagesBody)]) -> dict[str, int]:

@@ -51,7 +51,15 @@ from kestrel_core.serve.protocol import (
     CompletionRequest,
     EmbeddingRequest,
 )
-from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, TokenStrings, embedding_list, new_id
+from kestrel_core.serve.responses import (
+    ChatShape,
+    CompletionShape,
+    Echo,
+    TokenStrings,
+    embedding_list,
+    new_id,
+    usage,
+)
 from kestrel_core.serve.tools import CONTROL_TOKENS, SPECIAL_TEXT_FORMATS, ToolCalls, tool_format
 
 
@@ -202,12 +210,13 @@ class Served:
                                         prompt_param="messages", choices=body.choices, priority=body.priority or 0)
 
     async def read_prompt(self, chat: Callable[[], dict[str, Any]], request: Request,
-                          truncate: bool = False) -> Response | int:
+                          truncate: bool = False) -> Response | dict[str, Any]:
         """A chat request's prompt (``chat()``: the request's fields, made off the loop as a large body's are) read
         into the prefix cache with nothing answered, what Anthropic's ``max_tokens`` 0 and the Responses API's
         ``prompt_cache_options.prewarm`` ask for: one token is generated and dropped, so that the prompt's blocks
-        stay in the prefix cache for the next request. The prompt's tokens, or the response to answer instead (an
-        error, a client gone)."""
+        stay in the prefix cache for the next request. The chat answer's usage of no completion tokens (the prompt's
+        tokens, and those of them the prefix cache held), or the response to answer instead (an error, a client
+        gone)."""
         def fields() -> dict[str, Any]:
             return {**chat(), "max_tokens": 1, "max_completion_tokens": None, "n": None, "stream": False,
                     "stream_options": None}
@@ -216,7 +225,9 @@ class Served:
         response = await self.chat(body, request, truncate)
         if response.status_code != 200:
             return response
-        return int((json_loads(bytes(response.body)).get("usage") or {}).get("prompt_tokens", 0))
+        read = json_loads(bytes(response.body)).get("usage") or {}
+        cached = (read.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return usage(read.get("prompt_tokens", 0), 0, cached)
 
     async def complete(self, body: CompletionRequest, request: Request, chat_shaped: bool = False) -> Response:
         """``/v1/completions``' answer; ``chat_shaped``: in a chat completion's shape (each token's logprob with

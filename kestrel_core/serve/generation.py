@@ -135,7 +135,8 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
                 raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutting_down")
             record.prompt_tokens = prompt_tokens
             events = _events(gens, firsts, shape, record, prompt_tokens, [len(p.ids) for p, _ in jobs], choices)
-            return EventStreamResponse(events, on_close=abort)
+            return EventStreamResponse(events, on_close=abort,
+                                       cached_tokens=cached_tokens([f.cached_tokens for f in firsts], choices))
         results = await unless_disconnected(
             _all([_collect(g, record, p.logprobs, prompt_tokens) for g, (p, _) in zip(gens, jobs)]), request)
     except ClientGone:
@@ -353,19 +354,22 @@ async def retold(response: Response, whole: Callable[[dict[str, Any]], dict[str,
         return response
     if isinstance(response, EventStreamResponse):
         return EventStreamResponse(events(answer_chunks(response.body_iterator)),  # type: ignore[arg-type]
-                                   response.on_close, media_type)
+                                   response.on_close, media_type, response.cached_tokens)
     return await json_answer(lambda: whole(json_loads(bytes(response.body))))
 
 
 class EventStreamResponse(StreamingResponse):
     """A streamed response (``text/event-stream``, or Ollama's ``application/x-ndjson``) that aborts its request
-    however it ends (client gone, cancelled)."""
+    however it ends (client gone, cancelled). ``cached_tokens``: the request's prompt tokens the prefix cache held,
+    known from its first outputs, for an API whose stream says them in its first event (Anthropic's
+    ``message_start``); OpenAI's says them in its last chunk."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
-                 media_type: str = "text/event-stream") -> None:
+                 media_type: str = "text/event-stream", cached_tokens: int = 0) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                          media_type=media_type)
         self.on_close = on_close
+        self.cached_tokens = cached_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -463,10 +463,9 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) ->
             yield e
 
 
-def _prewarmed(response: _Response, prompt_tokens: int) -> Response:
-    """The answer to a ``prompt_cache_options.prewarm``: a completed response without output, whole or as its
-    stream's events."""
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
+def _prewarmed(response: _Response, usage: dict[str, Any]) -> Response:
+    """The answer to a ``prompt_cache_options.prewarm`` (``usage``: the chat usage of reading its prompt): a
+    completed response without output, whole or as its stream's events."""
     if not response.body.stream:
         return JSONResponse(response.envelope("completed", usage))
     items = _Items(response)

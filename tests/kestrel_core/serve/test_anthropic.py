@@ -14,6 +14,7 @@ import pytest
 
 from kestrel_core.errors import Overloaded
 from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.kv_pool import BLOCK_SIZE
 from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.serve.server import KestrelServer
@@ -367,3 +368,42 @@ def test_a_prompt_that_fills_the_context_is_one_token_too_long(an: anthropic.Ant
         an.messages.create(model=NAME, max_tokens=5, messages=[{"role": "user", "content": fills}])
     _too_long(caught, CONTEXT, CONTEXT - 1)
 
+
+def _hits(server: KestrelServer) -> int:
+    """The prefix cache's hits so far (its metric)."""
+    key = f'kestrel_prefix_cache_hit_tokens_total{{model="{NAME}"}}'
+    lines = http("GET", f"{server.url}/metrics")[2].decode().splitlines()
+    return int(float(next(line.rsplit(" ", 1)[1] for line in lines if line.startswith(key + " "))))
+
+
+def _inputs(usage: Any) -> tuple[int, int, int]:
+    return usage.input_tokens, usage.cache_read_input_tokens, usage.cache_creation_input_tokens
+
+
+def test_usage_counts_cache_reads_apart_from_the_input(an: anthropic.Anthropic, server: KestrelServer) -> None:
+    """As Anthropic's: input_tokens leaves out the prompt tokens read from the cache (cache_read_input_tokens, the
+    prefix cache's hits), and the three input counts add up to the prompt's tokens, whole, streamed (message_start
+    and message_delta) and for max_tokens 0; the cache fills implicitly, so nothing is written to it on request
+    (cache_creation_input_tokens 0; a cache_control breakpoint is ignored). count_tokens stays the whole prompt's."""
+    messages = [{"role": "user", "content": "A prompt of several blocks that the Anthropic route sends twice. " * 4}]
+    total = an.messages.count_tokens(model=NAME, messages=messages).input_tokens
+    blocks = (total - 1) // BLOCK_SIZE * BLOCK_SIZE  # a prompt sent again: its full blocks short of its last token
+    assert blocks > 0
+    before = _hits(server)
+    first = an.messages.create(model=NAME, max_tokens=2, messages=messages, **GREEDY)
+    read = _hits(server) - before
+    assert _inputs(first.usage) == (total - read, read, 0)
+    marked = [{"role": "user", "content": [{"type": "text", "text": messages[0]["content"],
+                                             "cache_control": {"type": "ephemeral"}}]}]  # Claude Code's breakpoints
+    again = an.messages.create(model=NAME, max_tokens=2, messages=marked, **GREEDY)  # the same prompt
+    assert _inputs(again.usage) == (total - blocks, blocks, 0)
+    with an.messages.stream(model=NAME, max_tokens=2, messages=messages, **GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    start = next(e for e in events if e.type == "message_start").message.usage
+    delta = next(e for e in events if e.type == "message_delta").usage
+    assert _inputs(start) == _inputs(delta) == _inputs(final.usage) == (total - blocks, blocks, 0)
+    assert delta.output_tokens == final.usage.output_tokens == again.usage.output_tokens
+    warmed = an.messages.create(model=NAME, max_tokens=0, messages=messages)
+    assert _inputs(warmed.usage) == (total - blocks, blocks, 0)
+    assert an.messages.count_tokens(model=NAME, messages=messages).input_tokens == total
