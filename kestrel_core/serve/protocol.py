@@ -53,6 +53,14 @@ MAX_INPUTS = 2048  # inputs of one embeddings request, at most (OpenAI's bound)
 TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
 
 
+def unset_sampling(recommended: Mapping[str, float] | None) -> dict[str, float]:
+    """What each sampling field a request leaves unset samples with: the model's ``recommended`` value, else
+    OpenAI's default (temperature 1, no filters)."""
+    plain = SamplingParams()
+    return {**{k: getattr(plain, k) for k in SAMPLING_FIELDS}, "temperature": DEFAULT_TEMPERATURE,
+            **(recommended or {})}
+
+
 # -- requests -----------------------------------------------------------------------------------------
 
 
@@ -277,7 +285,7 @@ class _Generation(RequestBody):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         given = {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
         given |= {"top_p": 1.0, "top_k": 1} if self.top_p == 0 else {}  # OpenAI's 0: the likeliest token alone
-        sampling = {"temperature": DEFAULT_TEMPERATURE, **(recommended or {}), **given}
+        sampling = {**unset_sampling(recommended), **given}
         params = SamplingParams(
             max_tokens=max_tokens,
             **sampling,

@@ -41,7 +41,7 @@ from kestrel_core.serve.bodies import RequestBody
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.offload import json_body, off_loop
-from kestrel_core.serve.protocol import ChatCompletionRequest
+from kestrel_core.serve.protocol import ChatCompletionRequest, unset_sampling
 
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
@@ -290,6 +290,10 @@ class _Response:
         self.model = served.model_name
         self.body = body
         self.output: list[dict[str, Any]] = []
+        # the sampling the answer runs with, as OpenAI's response says it, what the request left out included
+        unset = unset_sampling(served.engine.sampling_defaults)
+        self.temperature = unset["temperature"] if body.temperature is None else float(body.temperature)
+        self.top_p = unset["top_p"] if body.top_p is None else float(body.top_p)
 
     def envelope(self, status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
         b = self.body
@@ -298,8 +302,8 @@ class _Response:
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": b.instructions, "model": self.model, "output": self.output,
-            "parallel_tool_calls": b.parallel_tool_calls is not False, "temperature": b.temperature,
-            "top_p": b.top_p, "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
+            "parallel_tool_calls": b.parallel_tool_calls is not False, "temperature": self.temperature,
+            "top_p": self.top_p, "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
             "text": {"format": b.text_format().model_dump(exclude_none=True, by_alias=True)},
             "max_output_tokens": b.max_output_tokens, "previous_response_id": None, "background": False,
             "truncation": b.truncation or "disabled",

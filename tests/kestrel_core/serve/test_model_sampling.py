@@ -123,3 +123,26 @@ def test_ollama_options_default_to_the_recommendation_then_ollamas(server: Kestr
     recommends({})
     assert ol.show(NAME).parameters in ("", None)
     assert chat() == chat(temperature=0.8, top_k=40, top_p=0.9) != implicit  # Ollama's own defaults
+
+
+def test_a_response_says_the_temperature_and_top_p_it_ran_with(client: openai.OpenAI, recommends: Any) -> None:
+    """As OpenAI's Responses API: the response's temperature and top_p are those its answer sampled with, also
+    where the request left them out (the model's recommendation, else the chat request's 1 and 1), whole and in
+    the stream's first and last events."""
+    kw: dict[str, Any] = {"model": NAME, "input": "Hi", "max_output_tokens": 2}
+
+    def said(**more: Any) -> tuple[float | None, float | None]:
+        got = client.responses.create(**kw, **more)
+        with client.responses.stream(**kw, **more) as stream:
+            events = list(stream)
+        assert (events[0].type, events[-1].type) == ("response.created", "response.incomplete")  # 2 tokens
+        created, final = events[0].response, events[-1].response
+        assert (created.temperature, created.top_p) == (final.temperature, final.top_p) == (got.temperature,
+                                                                                             got.top_p)
+        return got.temperature, got.top_p
+
+    recommends(RECOMMENDED)
+    assert said() == (0.7, 0.9)
+    assert said(temperature=0.2) == (0.2, 0.9) and said(top_p=0.5) == (0.7, 0.5)
+    recommends({})
+    assert said() == (1.0, 1.0)
