@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
+
+import pytest
 
 
 @dataclass
@@ -31,10 +33,10 @@ class FakeHub:
     ``stalled``; where ``spared`` gives the pattern a count, that many requests matching it are first answered
     in full. A download matching a pattern of ``holding`` gets that many bytes of its body, is listed in
     ``held``, and gets the rest once ``release`` is set; one matching a pattern of ``trickling`` gets its body
-    in chunks of that many bytes, ``trickle_s`` apart. A file of ``in_xet`` (``owner/name/path``) says it is
-    stored in Xet; one of ``on_storage`` answers its metadata request with a redirect to a storage host (the
-    server under another name, ``localhost``), which lists the Authorization each download from it carried in
-    ``storage_authorizations``. A repository's files are its main branch, whose
+    in chunks of that many bytes, ``between_chunks()`` called before each but the first. A file of ``in_xet``
+    (``owner/name/path``) says it is stored in Xet; one of ``on_storage`` answers its metadata request with a
+    redirect to a storage host (the server under another name, ``localhost``), which lists the Authorization
+    each download from it carried in ``storage_authorizations``. A repository's files are its main branch, whose
     commit is named by their content: a test that changes them pushes a commit, and the files of every commit
     an answer named stay there by its sha (``commits``, by ``owner/name@sha``)."""
 
@@ -54,7 +56,7 @@ class FakeHub:
     on_storage: set[str] = field(default_factory=set)
     storage_authorizations: list[str | None] = field(default_factory=list)
     trickling: dict[str, int] = field(default_factory=dict)
-    trickle_s: float = 0.0
+    between_chunks: Callable[[], None] = lambda: None
     served: list[str] = field(default_factory=list)
     stalled: list[str] = field(default_factory=list)
     url: str = ""
@@ -209,7 +211,7 @@ def serving(hub: FakeHub) -> Iterator[FakeHub]:
                     self.wfile.write(body[start:start + chunk])
                     self.wfile.flush()
                     if start + chunk < len(body):
-                        time.sleep(hub.trickle_s)
+                        hub.between_chunks()
             except ConnectionError:  # the client went away (a download it ended)
                 pass
 
@@ -233,3 +235,24 @@ def serving(hub: FakeHub) -> Iterator[FakeHub]:
         hub.release.set()
         server.shutdown()
         server.server_close()
+
+
+def socket_waits(monkeypatch: pytest.MonkeyPatch, url: str) -> list[float | None]:
+    """The limits, in seconds, that the sockets connected to ``url``'s port are given (``settimeout``) from now
+    on: how long each read of an answer waits at most, whichever HTTP library huggingface_hub runs on (None: for
+    ever)."""
+    port = urlsplit(url).port
+    waits: list[float | None] = []
+    settimeout = socket.socket.settimeout
+
+    def recorded(sock: socket.socket, value: float | None) -> None:
+        try:
+            peer = sock.getpeername()
+        except OSError:  # not connected yet: the wait is the connection's, not an answer's
+            peer = None
+        if isinstance(peer, tuple) and peer[1] == port:
+            waits.append(value)
+        settimeout(sock, value)
+
+    monkeypatch.setattr(socket.socket, "settimeout", recorded)
+    return waits
