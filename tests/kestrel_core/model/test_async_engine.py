@@ -16,7 +16,7 @@ from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.presets import synthetic_model
 from kestrel_core.model.sampling import SamplingParams
 
-from ..waits import HANG_GUARD_S
+from ..waits import HANG_GUARD_S, wait_until
 
 
 @pytest.fixture
@@ -315,8 +315,9 @@ def _tight(tiny_config, blocks: int) -> kestrel_core.Engine:
 
 
 def test_a_request_waiting_for_blocks_held_outside_the_steps_does_not_spin(tiny_config) -> None:
-    """A sequence that a call holds has the blocks: the steps' thread waits for what comes in, counts no empty
-    steps, and the request runs once the blocks are back, as it runs alone."""
+    """A sequence that a call holds has the blocks: the steps' thread makes one step that can start nothing and
+    then waits for what comes in, counting no empty step; the request runs once the blocks are back, as it runs
+    alone."""
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     prompt = _prompts(1, seed=4)[0]
     with _tight(tiny_config, 4) as engine:
@@ -324,23 +325,42 @@ def test_a_request_waiting_for_blocks_held_outside_the_steps_does_not_spin(tiny_
 
         async def main() -> tuple[int, int, list[int]]:
             front = AsyncEngine(engine, max_batch=4)
+            # steps that could start nothing, the steps counted before the first, the waits begun after it
+            idle_steps, counted_before, waits_after = [0], [0], [0]
+            step = front.scheduler.step
+
+            def counted() -> list:
+                outputs = step()
+                if not outputs and front.scheduler.stalled:
+                    idle_steps[0] += 1
+                    counted_before[0] = counted_before[0] or front.counters.steps
+                return outputs
+
+            class Watched(threading.Condition):
+                def wait(self, timeout: float | None = None) -> bool:
+                    if idle_steps[0]:
+                        waits_after[0] += 1
+                    return super().wait(timeout)
+
+            front.scheduler.step = counted  # type: ignore[method-assign]
+            front._wake = Watched(front._lock)
             front.start()
             try:
                 scoring = engine._chunk_logits(list(range(3, 3 + engine.pool.capacity - 8)))
                 await front.call(lambda: next(scoring))  # its blocks are held until it is closed
                 assert engine.pool.free_blocks < engine.pool.blocks_for(len(prompt) + 5)
                 task = asyncio.create_task(_collect(front, prompt, params))
-                await asyncio.sleep(0.1)
-                before, cpu = front.counters.steps, time.process_time()
-                await asyncio.sleep(0.5)
-                counted, spent = front.counters.steps - before, time.process_time() - cpu
+                # the steps' thread waits after its idle step; spinning, it makes a second one
+                await asyncio.to_thread(wait_until, lambda: waits_after[0] > 0 or idle_steps[0] > 1,
+                                        "the steps' thread waiting or stepping again")
+                counted_steps, idle = front.counters.steps - counted_before[0], idle_steps[0]
                 await front.call(scoring.close)
-                return counted, spent, await task
+                return counted_steps, idle, await task
             finally:
                 await front.shutdown(grace_s=1)
 
-        counted, spent, tokens = asyncio.run(main())
-        assert counted == 0 and spent < 0.25 and tokens == alone
+        counted_steps, idle, tokens = asyncio.run(main())
+        assert counted_steps == 0 and idle == 1 and tokens == alone
         assert engine.pool.free_blocks == engine.pool.num_blocks
 
 
