@@ -1,13 +1,13 @@
 """A client that leaves before its whole (non-streamed) answer, on each API's route: the server learns it from the
 connection's ``http.disconnect`` (``generation.unless_disconnected``), and the engine takes the abort at its next
-step. Latency is counted in the engine's steps, each made to last ``PACE`` seconds at least, not in seconds."""
+step. The engine's steps wait, the answer part-way, until the server has asked for the abort: what is counted is
+the tokens made after it asked (none), not seconds nor steps that a busy machine's event loop lets pass."""
 
 from __future__ import annotations
 
 import json
 import socket
-import time
-from collections.abc import Callable
+import threading
 from typing import Any
 
 import pytest
@@ -16,9 +16,10 @@ from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.request import RequestOutput
 from kestrel_core.serve.server import KestrelServer
 
+from ..waits import HANG_GUARD_S, wait_until
+from .helpers import wait_idle
+
 NAME = "tiny"
-PACE = 0.02  # seconds a step lasts at least: a 200-token answer runs for seconds, a second is 50 steps
-MAX_STEPS = 5  # the step under way, the one that takes the abort, and room for a busy machine's event loop
 HI = [{"role": "user", "content": "Hi"}]
 # a greedy answer of 200 tokens on every route (tiny-qwen3 says no end of text to "Hi" within them)
 ROUTES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -31,43 +32,56 @@ ROUTES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+class Held(AsyncEngine):
+    """tiny-qwen3, whose steps, once ``hold_rows`` tokens have been made (None: never), wait for ``go``
+    (``holding`` set meanwhile); ``asked``: the tokens made when each abort was asked for (the server asks again
+    for one the generator's end asked for)."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine, max_batch=8)
+        self.hold_rows: int | None = None
+        self.holding, self.go = threading.Event(), threading.Event()
+        self.asked: list[int] = []
+        step = self.scheduler.step
+
+        def held() -> list[RequestOutput]:
+            if self.hold_rows is not None and self.counters.step_rows >= self.hold_rows:
+                self.holding.set()
+                assert self.go.wait(HANG_GUARD_S), f"the step held for {HANG_GUARD_S:.0f} s"
+            return step()
+
+        self.scheduler.step = held  # type: ignore[method-assign]
+
+    def abort(self, request_id: str) -> None:
+        self.asked.append(self.counters.step_rows)
+        super().abort(request_id)
+
+
 @pytest.fixture(scope="module")
-def async_engine(engine: Any) -> AsyncEngine:
-    """tiny-qwen3 at ``PACE`` a step at least."""
-    front = AsyncEngine(engine, max_batch=8)
-    step = front.scheduler.step
-
-    def paced() -> list[RequestOutput]:
-        time.sleep(PACE)
-        return step()
-
-    front.scheduler.step = paced  # type: ignore[method-assign]
-    return front
-
-
-def _until(condition: Callable[[], bool]) -> None:
-    """Wait for ``condition`` (a guard against a hang, not a bound the test checks: 30 s)."""
-    deadline = time.monotonic() + 30
-    while not condition():
-        assert time.monotonic() < deadline, "the condition did not come within 30 s"
-        time.sleep(0.002)
+def async_engine(engine: Any) -> Held:
+    return Held(engine)
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
-def test_a_client_that_leaves_a_whole_answer_is_aborted_at_the_next_step(server: KestrelServer,
-                                                                         async_engine: AsyncEngine,
+def test_a_client_that_leaves_a_whole_answer_is_aborted_at_the_next_step(server: KestrelServer, async_engine: Held,
                                                                          route: str) -> None:
     path, body = ROUTES[route]
     data = json.dumps(body).encode()
     counters = async_engine.counters
     aborted = counters.finished.get("abort", 0)
-    with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-        _until(lambda: async_engine.num_running == 1)
-        started = counters.steps
-        _until(lambda: counters.steps >= started + 3)  # decoding its answer
-        steps = counters.steps
-    _until(lambda: async_engine.active == 0)  # at the latest once its 200 tokens are done
+    async_engine.asked.clear()
+    async_engine.holding.clear()
+    async_engine.go.clear()
+    async_engine.hold_rows = counters.step_rows + 3  # decoding its answer
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            wait_until(async_engine.holding.is_set, "the answer's third token")
+        wait_until(lambda: bool(async_engine.asked), "the server asking for the abort")  # the steps wait meanwhile
+    finally:
+        async_engine.hold_rows = None
+        async_engine.go.set()
+    wait_idle(async_engine)
     assert counters.finished.get("abort", 0) == aborted + 1, "the request ran to its end"
-    assert counters.steps - steps <= MAX_STEPS
+    assert async_engine.asked[0] == counters.step_rows, "tokens made after the abort was first asked for"
