@@ -21,14 +21,19 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.02)
 
 
+class StillWaiting(AssertionError):
+    """A call ``within`` gave up on."""
+
+
 def within(seconds: float, call: Callable[[], object]) -> object:
-    """``call()``'s result or exception, failing the test (not hanging it) where it takes longer than
-    ``seconds``."""
+    """``call()``'s result or exception, failing the test (StillWaiting, not hanging it) where it takes longer
+    than ``seconds``."""
     done: list[object] = []
     worker = threading.Thread(target=lambda: done.append(_outcome(call)), daemon=True)
     worker.start()
     worker.join(seconds)
-    assert done, f"still waiting after {seconds} s"
+    if not done:
+        raise StillWaiting(f"still waiting after {seconds} s")
     if isinstance(done[0], BaseException):
         raise done[0]
     return done[0]

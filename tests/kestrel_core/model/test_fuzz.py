@@ -1,7 +1,8 @@
 """Property-based fuzzing (hypothesis, bounded for CI) of every untrusted-input path.
 
-Property: any input ends in success or a one-line KestrelError: never another exception, never a hang (a
-per-example deadline), never a huge allocation (the byte-level cases run under RLIMIT_AS in a subprocess, by
+Property: any input ends in success or a one-line KestrelError: never another exception, never a hang (no result
+within HANG_GUARD_S: a time no example takes however busy the machine, not a bound on its speed), never a huge
+allocation (the byte-level cases run under RLIMIT_AS in a subprocess, by
 scripts/fuzz.py, which also does the long runs: docs/formats.md has the figures). The generators and the
 checks are scripts/fuzz.py's, so the CI fuzz and the long run test the same thing.
 """
@@ -30,8 +31,10 @@ from hypothesis import strategies as st
 import kestrel_core
 from kestrel_core.errors import KestrelError
 
+from ..waits import HANG_GUARD_S, StillWaiting, within
+
 REPO = Path(__file__).resolve().parents[3]
-FUZZ = settings(deadline=5000, derandomize=True, database=None,
+FUZZ = settings(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -59,10 +62,18 @@ def seeds() -> dict[str, bytes]:
     return {"gguf": h.gguf_bytes(workdir()), "kst": h.kst_bytes(workdir()), "st": h.safetensors_bytes()}
 
 
-def must_end_well(check: Callable[[], None]) -> None:
-    """Success, or a KestrelError of one line; any other exception fails the example."""
+class Hung(BaseException):
+    """An example with no result within HANG_GUARD_S: a BaseException, which hypothesis does not catch, so the test
+    ends at once rather than shrink the example, waiting HANG_GUARD_S a try."""
+
+
+def must_end_well(check: Callable[[], None], example: object) -> None:
+    """Success, or a KestrelError of one line; any other exception fails the example, and a hang (Hung, naming
+    ``example``, the input) the test."""
     try:
-        check()
+        within(HANG_GUARD_S, check)
+    except StillWaiting as exc:
+        raise Hung(f"{exc}: {example!r}"[:4000]) from None
     except KestrelError as exc:
         assert "\n" not in str(exc), str(exc)
 
@@ -110,7 +121,7 @@ def header_len(name: str) -> int:
 def test_fuzz_gguf_bytes(edits: list[tuple[int, str, int]]) -> None:
     path = workdir() / "fuzz.gguf"
     path.write_bytes(apply_edits(seeds()["gguf"], edits, header_len("gguf")))
-    must_end_well(lambda: harness().check_gguf_file(path))
+    must_end_well(lambda: harness().check_gguf_file(path), edits)
 
 
 @settings(FUZZ, max_examples=100)
@@ -118,7 +129,7 @@ def test_fuzz_gguf_bytes(edits: list[tuple[int, str, int]]) -> None:
 def test_fuzz_gguf_random_bytes_after_the_magic(tail: bytes) -> None:
     path = workdir() / "random.gguf"
     path.write_bytes(b"GGUF" + tail)
-    must_end_well(lambda: harness().check_gguf_file(path))
+    must_end_well(lambda: harness().check_gguf_file(path), tail)
 
 
 @settings(FUZZ, max_examples=80)
@@ -135,7 +146,7 @@ def test_fuzz_gguf_metadata_values(seed: int) -> None:
         return
     path = workdir() / "meta.gguf"
     path.write_bytes(data)
-    must_end_well(lambda: h.check_gguf_file(path))
+    must_end_well(lambda: h.check_gguf_file(path), seed)
 
 
 @settings(FUZZ, max_examples=200)
@@ -143,7 +154,7 @@ def test_fuzz_gguf_metadata_values(seed: int) -> None:
 def test_fuzz_kst_bytes(edits: list[tuple[int, str, int]]) -> None:
     path = workdir() / "fuzz.kst"
     path.write_bytes(apply_edits(seeds()["kst"], edits, header_len("kst")))
-    must_end_well(lambda: harness().check_kst_file(path))
+    must_end_well(lambda: harness().check_kst_file(path), edits)
 
 
 KST_META_KEYS = ["format", "format_version", "layout", "quant", "tensors", "config", "extra", "tokenizer_json",
@@ -172,7 +183,7 @@ def test_fuzz_kst_metadata(key: str, text: str, config_key: str | None, config_v
         meta["config"] = json.dumps(cfg)
     path = workdir() / "meta.kst"
     save_file(load_file(str(src)), str(path), metadata=meta)
-    must_end_well(lambda: harness().check_kst_file(path))
+    must_end_well(lambda: harness().check_kst_file(path), (key, text, config_key, config_value))
 
 
 @settings(FUZZ, max_examples=200)
@@ -183,7 +194,7 @@ def test_fuzz_safetensors_bytes(edits: list[tuple[int, str, int]]) -> None:
     root.mkdir(exist_ok=True)
     (root / "config.json").write_text(json.dumps(h.HF_CONFIG))
     (root / "model.safetensors").write_bytes(apply_edits(seeds()["st"], edits, header_len("st")))
-    must_end_well(lambda: h.check_hf_dir(root))
+    must_end_well(lambda: h.check_hf_dir(root), edits)
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2 ** 64), 2 ** 64) | st.floats() | st.text(max_size=8),
@@ -209,7 +220,7 @@ def test_fuzz_config_json(changes: dict[str, Any], rope: dict[str, Any], drop: s
         cfg["rope_scaling"] = {**h.HF_CONFIG["rope_scaling"], **rope}
     for key in drop:
         cfg.pop(key, None)
-    must_end_well(lambda: h.check_config(cfg))
+    must_end_well(lambda: h.check_config(cfg), cfg)
 
 
 @pytest.fixture(autouse=True)
@@ -225,15 +236,17 @@ def _fast_template_limits(monkeypatch: pytest.MonkeyPatch) -> None:
                 max_size=8))
 def test_fuzz_chat_templates(pieces: list[str]) -> None:
     source = "".join(pieces)
-    must_end_well(lambda: harness().check_template(source))
+    must_end_well(lambda: harness().check_template(source), source)
 
 
 def test_the_fuzz_script_under_a_memory_limit() -> None:
-    """scripts/fuzz.py, 600 cases over every target, each under RLIMIT_AS (+1 GiB) and a 10 s timeout."""
+    """scripts/fuzz.py, 600 cases over every target, each under RLIMIT_AS (+1 GiB); a case's timeout is half the
+    hang guard, so a case that hangs is reported, with its seed, before the run is called a hang."""
     root = str(Path(kestrel_core.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "fuzz.py"), "--cases", "600", "--seed", "7",
-                        "--quiet"], capture_output=True, text=True, timeout=300, env=env)
+                        "--case-timeout", str(HANG_GUARD_S / 2), "--quiet"], capture_output=True, text=True,
+                       timeout=HANG_GUARD_S, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "0 failures" in r.stdout
 
@@ -243,4 +256,4 @@ def test_the_fuzz_script_under_a_memory_limit() -> None:
 def test_fuzz_integer_checkpoints(seed: int) -> None:
     """The GPTQ, AWQ and compressed-tensors twins with mutated bytes and quantization_config values (scripts/fuzz.py's
     int-checkpoint target), every weight read and quantized at q8 and q4."""
-    must_end_well(harness().int_checkpoint_case(workdir(), random.Random(seed)))
+    must_end_well(harness().int_checkpoint_case(workdir(), random.Random(seed)), seed)
