@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -277,21 +278,35 @@ def test_truncation_by_one_byte_or_a_grown_file(tmp_path: Path, synth_source) ->
     assert "truncated or corrupt" in _error(path)
 
 
-def test_a_header_that_lies_is_refused_without_allocating(tmp_path: Path, synth_source) -> None:
-    """Every offset and length is checked against the file's size before anything is read or mapped."""
+def test_a_header_that_lies_is_refused_without_allocating(tmp_path: Path, synth_source,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every offset and length is checked against the file's size before anything is read or mapped: nothing past
+    the header is read, nothing mapped, and the most allocated meanwhile is less than the tensors' data."""
     path = _save(tmp_path, synth_source, arch="llama")
     start, header = _header(path)
     data = path.read_bytes()[start:]
     bad = tmp_path / "bad.kst"
     huge = 1 << 50
+    pread, real_mmap = os.pread, mmap.mmap
+    reads: list[tuple[int, int]] = []
+    maps: list[object] = []
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: reads.append((at, n)) or pread(fd, n, at))
+    monkeypatch.setattr(mmap, "mmap", lambda *args, **kwargs: maps.append(args) or real_mmap(*args, **kwargs))
 
     def lie(name: str, **entry: object) -> str:
         h = json.loads(json.dumps(header))
         h[name].update(entry)
         _write_raw(bad, h, data)
-        t0 = time.perf_counter()
-        msg = _error(bad)
-        assert time.perf_counter() - t0 < 1.0
+        reads.clear()
+        tracemalloc.start()
+        try:
+            msg = _error(bad)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        data_start = 8 + len(json.dumps(h).encode())
+        assert reads and all(at + n <= data_start for at, n in reads), (reads, data_start)
+        assert not maps and peak < len(data), peak
         return msg
 
     assert "spans bytes" in lie("layers.0.q.codes", data_offsets=[0, huge], shape=[huge])
