@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -79,6 +80,28 @@ def ending_aborted(ae: AsyncEngine, sequences: int = 1) -> Iterator[None]:
     wait_idle(ae)
     ended = {k: n - before.get(k, 0) for k, n in ae.counters.finished.items() if n != before.get(k, 0)}
     assert ended == {"abort": sequences}, ended
+
+
+def assert_stopped(ae: AsyncEngine, engine: Any) -> None:
+    """Nothing runs in ``ae`` any more: a step taken after this is called makes no token (a call on the steps'
+    thread runs between two steps, so two calls have one between them), and every KV block of ``engine`` is
+    free again."""
+    ae.run_sync(lambda: None)
+    rows = ae.counters.step_rows
+    ae.run_sync(lambda: None)
+    ae.run_sync(lambda: None)
+    assert ae.counters.step_rows == rows and not ae.num_running
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def leave_once_running(server: KestrelServer, ae: AsyncEngine, path: str, body: Any) -> None:
+    """A client that posts ``body`` (JSON) to ``path`` and leaves, its answer unread, once its request runs in
+    ``ae`` (the only one there)."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        wait_until(lambda: ae.num_running == 1, "the request running")
 
 
 def openai_client(server: KestrelServer, api_key: str = "unused", timeout: float = HANG_GUARD_S) -> openai.OpenAI:

@@ -28,7 +28,16 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.serve.server import KestrelServer
 
 from ..waits import HANG_GUARD_S
-from .helpers import Scripted, ending_aborted, http, openai_client, running_server, wait_idle
+from .helpers import (
+    Scripted,
+    assert_stopped,
+    ending_aborted,
+    http,
+    leave_once_running,
+    openai_client,
+    running_server,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.default_model
 
@@ -78,9 +87,10 @@ def test_models_lists_the_served_model(client: openai.OpenAI, engine: Any) -> No
 
 
 def test_chat_completion(client: openai.OpenAI, engine: Any) -> None:
+    started = int(time.time())
     r = _chat(client)
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == NAME
-    assert abs(r.created - time.time()) < 120
+    assert started <= r.created <= time.time()
     (choice,) = r.choices
     assert choice.index == 0 and choice.message.role == "assistant"
     assert choice.message.content and choice.finish_reason in ("stop", "length")
@@ -441,14 +451,6 @@ def test_concurrent_streams_match_one_at_a_time(client: openai.OpenAI, async_eng
     assert steps < rows, f"{rows} tokens in {steps} steps: the requests were not batched"
 
 
-def _assert_stopped(async_engine: AsyncEngine, engine: Any) -> None:
-    """Nothing runs any more: no steps are taken and every KV block is free again."""
-    steps = async_engine.counters.steps
-    time.sleep(0.3)
-    assert async_engine.counters.steps == steps
-    assert engine.pool.free_blocks == engine.pool.num_blocks
-
-
 def test_client_disconnect_mid_stream_frees_the_sequence(client: openai.OpenAI, async_engine: AsyncEngine,
                                                          engine: Any) -> None:
     stream = _chat(client, max_tokens=4000, stream=True, extra_body={"ignore_eos": True})
@@ -457,7 +459,7 @@ def test_client_disconnect_mid_stream_frees_the_sequence(client: openai.OpenAI, 
     assert async_engine.num_running == 1
     with ending_aborted(async_engine):  # the 4000 tokens would take half a minute
         stream.close()
-    _assert_stopped(async_engine, engine)
+    assert_stopped(async_engine, engine)
 
 
 def test_client_disconnect_mid_stream_frees_every_choice(client: openai.OpenAI, async_engine: AsyncEngine,
@@ -469,15 +471,15 @@ def test_client_disconnect_mid_stream_frees_every_choice(client: openai.OpenAI, 
     assert async_engine.num_running == 2
     with ending_aborted(async_engine, 2):
         stream.close()
-    _assert_stopped(async_engine, engine)
+    assert_stopped(async_engine, engine)
 
 
 def test_client_disconnect_while_waiting_for_a_whole_answer(server: KestrelServer, async_engine: AsyncEngine,
                                                             engine: Any) -> None:
-    short = openai_client(server, timeout=0.5)
-    with ending_aborted(async_engine), pytest.raises(openai.APITimeoutError):  # the client gives up and leaves
-        _chat(short, max_tokens=4000, extra_body={"ignore_eos": True})
-    _assert_stopped(async_engine, engine)
+    with ending_aborted(async_engine):  # the client gives up and leaves
+        leave_once_running(server, async_engine, "/v1/chat/completions",
+                           {"model": NAME, "messages": HI, "max_tokens": 4000, "ignore_eos": True})
+    assert_stopped(async_engine, engine)
 
 
 # -- bad requests ------------------------------------------------------------------------------------

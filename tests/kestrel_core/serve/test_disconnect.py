@@ -16,7 +16,7 @@ from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.request import RequestOutput
 from kestrel_core.serve.server import KestrelServer
 
-from ..waits import HANG_GUARD_S, wait_until
+from ..waits import wait_until
 from .helpers import wait_idle
 
 NAME = "tiny"
@@ -47,7 +47,7 @@ class Held(AsyncEngine):
         def held() -> list[RequestOutput]:
             if self.hold_rows is not None and self.counters.step_rows >= self.hold_rows:
                 self.holding.set()
-                assert self.go.wait(HANG_GUARD_S), f"the step held for {HANG_GUARD_S:.0f} s"
+                self.go.wait()  # the test lets it go, whatever happens
             return step()
 
         self.scheduler.step = held  # type: ignore[method-assign]
