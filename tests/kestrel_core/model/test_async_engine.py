@@ -60,11 +60,8 @@ def test_leaving_early_aborts_and_frees_the_sequence(engine) -> None:
             async for _ in stream:
                 break
             await stream.aclose()
-            for _ in range(200):
-                if front.active == 0 and front.num_running == 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert front.active == 0 and front.num_running == 0
+            await asyncio.to_thread(wait_until, lambda: front.active == 0 and front.num_running == 0,
+                                    "the abort taken")
             assert front.counters.finished.get("abort", 0) == 1
         finally:
             await front.shutdown(grace_s=1)
@@ -136,10 +133,7 @@ def test_an_embedding_takes_a_place_of_the_capacity(engine) -> None:
             with pytest.raises(Overloaded, match="capacity"):
                 await front.embed(_prompts(2))
             await running.aclose()
-            for _ in range(1000):  # its abort is taken at the thread's next pass
-                if not front.active:
-                    break
-                await asyncio.sleep(0.005)
+            await asyncio.to_thread(wait_until, lambda: not front.active, "its abort taken at the thread's next pass")
             embedding = asyncio.create_task(front.embed(_prompts(4, seed=2)))
             await asyncio.sleep(0)  # under way: it waits for the thread
             with pytest.raises(Overloaded, match="capacity"):
@@ -170,7 +164,7 @@ def test_embeddings_run_between_steps_and_shutdown_waits_for_them(engine) -> Non
         with pytest.raises(ShuttingDown):
             await front.embed(prompts)
         with pytest.raises(ShuttingDown, match="stopped"):
-            front._post(lambda: None).result(timeout=5)  # the thread returned at its last pass
+            front._post(lambda: None).result(timeout=HANG_GUARD_S)  # the thread returned at its last pass
 
     asyncio.run(main())
     assert engine.pool.free_blocks == engine.pool.num_blocks
@@ -190,8 +184,9 @@ def test_an_embedding_holds_no_worker_thread_while_its_steps_wait_for_the_engine
         busy = threading.Event()
         worker = loop.run_in_executor(None, busy.wait)  # the only worker, busy until the embedding is in
         try:
-            assert await asyncio.wait_for(front.call(lambda: threading.current_thread().name), 5) == "kestrel-scheduler"
-            return await asyncio.wait_for(front.embed(prompts), 30)
+            name = await asyncio.wait_for(front.call(lambda: threading.current_thread().name), HANG_GUARD_S)
+            assert name == "kestrel-scheduler"
+            return await asyncio.wait_for(front.embed(prompts), HANG_GUARD_S)
         finally:
             busy.set()
             await worker
@@ -227,7 +222,7 @@ def test_a_request_starts_the_steps_thread_and_a_dict_of_params_is_refused(engin
         try:
             with pytest.raises(InvalidRequest, match="params must be a SamplingParams"):
                 await _collect(front, _prompts(1)[0], {"max_tokens": 4})  # type: ignore[arg-type]
-            return await asyncio.wait_for(_collect(front, _prompts(1)[0], params), 60)
+            return await asyncio.wait_for(_collect(front, _prompts(1)[0], params), HANG_GUARD_S)
         finally:
             await front.shutdown(grace_s=1)
 
@@ -248,7 +243,8 @@ def test_an_event_loop_that_closes_with_a_request_running_leaves_the_thread_serv
         for _ in range(3):
             asyncio.run(leave_running())
         got = asyncio.run(asyncio.wait_for(_collect(front, _prompts(1, seed=2)[0], SamplingParams(max_tokens=4,
-                                                                                              ignore_eos=True)), 30))
+                                                                                              ignore_eos=True)),
+                                           HANG_GUARD_S))
         assert len(got) == 4 and front._thread is not None and front._thread.is_alive()
     finally:
         asyncio.run(front.shutdown(grace_s=0))
@@ -396,7 +392,7 @@ def test_an_embedding_waiting_for_blocks_tries_again_when_they_come_back(tiny_co
                 first = await outputs.__anext__()
                 job = asyncio.create_task(front.embed([text]))
                 tokens = first.new_token_ids + [t async for out in outputs for t in out.new_token_ids]
-                got = await asyncio.wait_for(job, 30)
+                got = await asyncio.wait_for(job, HANG_GUARD_S)
                 return tries, got, tokens
             finally:
                 await front.shutdown(grace_s=5)
