@@ -536,16 +536,16 @@ def test_quantize_removes_only_its_own_stale_temp_files(tmp_path: Path) -> None:
 
 def _cli(args: list[str], **kwargs) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
     return subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=kwargs.pop(
-        "capture_output", True), text=True, timeout=300, **kwargs)
+        "capture_output", True), text=True, timeout=HANG_GUARD_S, **kwargs)
 
 
 def test_a_standard_stream_closed_at_launch_is_empty_or_nowhere() -> None:
     """``kestrel list >&-`` runs (its output goes nowhere); ``kestrel run <&-`` has no prompt: one line, exit 2."""
     listed = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "list"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: os.close(1))
+                            stderr=subprocess.PIPE, text=True, timeout=HANG_GUARD_S, preexec_fn=lambda: os.close(1))
     assert listed.returncode == 0 and "Traceback" not in listed.stderr and "Error" not in listed.stderr
     run = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "run", "--model", str(TINY), "--backend",
-                          "cpu"], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+                          "cpu"], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=HANG_GUARD_S,
                          preexec_fn=lambda: os.close(0))
     assert run.returncode == 2 and run.stderr.strip().endswith("no prompt given (pass it as an argument or on stdin)")
 
@@ -559,7 +559,7 @@ def test_a_reader_that_leaves_ends_the_command_quietly() -> None:
     assert proc.stdout is not None and proc.stderr is not None
     assert proc.stdout.read(1)
     proc.stdout.close()
-    assert proc.wait(timeout=300) == 141
+    assert proc.wait(timeout=HANG_GUARD_S) == 141
     assert "error" not in proc.stderr.read()
 
 
@@ -576,7 +576,7 @@ def test_a_reader_gone_before_a_table_or_a_line_of_rich_ends_as_sigpipe(argv: li
     streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: write_end}
     try:
         done = subprocess.run([sys.executable, "-m", "kestrel_core.entry", *argv], stdin=subprocess.DEVNULL,
-                              timeout=300, text=True, **streams,
+                              timeout=HANG_GUARD_S, text=True, **streams,
                               env={**os.environ, "KESTREL_HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf")})
     finally:
         os.close(write_end)

@@ -16,6 +16,8 @@ from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.presets import ByteTokenizer, synthetic_model
 from kestrel_core.registry import Registry
 
+from ..waits import HANG_GUARD_S
+
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}
 
@@ -63,7 +65,7 @@ def unprivileged() -> list[str]:
         return []
     prefix = [shutil.which("setpriv") or "setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
     try:
-        dropped = subprocess.run([*prefix, "true"], capture_output=True, timeout=60).returncode == 0
+        dropped = subprocess.run([*prefix, "true"], capture_output=True, timeout=HANG_GUARD_S).returncode == 0
     except OSError:
         dropped = False
     if not dropped:

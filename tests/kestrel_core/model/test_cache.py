@@ -534,7 +534,7 @@ def test_the_cache_lists_its_entries_and_prunes_those_whose_model_is_gone(home: 
 
 def _kestrel(prefix: list[str], *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*prefix, sys.executable, "-m", "kestrel_core.entry", *argv], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=HANG_GUARD_S)
 
 
 def test_a_cache_directory_that_cannot_be_read_is_an_error_naming_it(home: Path, unprivileged: list[str]) -> None:

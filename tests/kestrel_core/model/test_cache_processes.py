@@ -15,6 +15,8 @@ from kestrel_core.cli import main
 from kestrel_core.model.cache import MODEL_CACHE_ENV
 from kestrel_core.model.loader import load_model
 
+from ..waits import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "tests" / "fixtures" / "models" / "tiny-llama"
 
@@ -66,7 +68,7 @@ def test_a_killed_writers_temp_file_is_listed_and_goes_at_once_a_live_ones_stays
     killed, live = _stuck_writer(cache / "a.kst"), _stuck_writer(cache / "b.kst")
     try:
         killed.kill()
-        killed.wait(60)
+        killed.wait(HANG_GUARD_S)
         assert len(_temps(cache)) == 2
         capsys.readouterr()
         assert main(["cache"]) == 0
@@ -77,7 +79,7 @@ def test_a_killed_writers_temp_file_is_listed_and_goes_at_once_a_live_ones_stays
         assert [t.split(".")[1] for t in _temps(cache)] == ["b"]  # the live writer's
         assert main(["cache", "--prune"]) == 0 and len(_temps(cache)) == 1
         live.kill()
-        live.wait(60)
+        live.wait(HANG_GUARD_S)
         load_model(TINY, quant="q8")  # a load that writes to the cache sweeps it
         assert _temps(cache) == []
     finally:
@@ -97,7 +99,7 @@ COLD_LOAD = """
         print("quantizing", flush=True)
         with open(os.environ["BUILDS"], "a") as f:
             f.write(f"{os.getpid()}\\n")
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + float(os.environ["GUARD_S"])  # a guard: the test opens the gate
         while not Path(os.environ["GATE"]).exists() and time.monotonic() < deadline:
             time.sleep(0.02)
         return quantize(source, quant, progress)
@@ -110,7 +112,8 @@ COLD_LOAD = """
 
 def _cold_load(tmp_path: Path) -> subprocess.Popen[str]:
     """A process loading TINY whose quantization, once begun (it says "quantizing"), waits for the gate file."""
-    env = {**os.environ, "BUILDS": str(tmp_path / "builds"), "GATE": str(tmp_path / "gate")}
+    env = {**os.environ, "BUILDS": str(tmp_path / "builds"), "GATE": str(tmp_path / "gate"),
+           "GUARD_S": str(HANG_GUARD_S)}
     return _python(COLD_LOAD, str(TINY), env=env, stderr=subprocess.STDOUT)
 
 
@@ -133,7 +136,7 @@ def test_a_second_cold_load_waits_for_the_first_and_loads_its_entry(home: Path, 
         second = _cold_load(tmp_path)
         assert _first_word(second) == "waiting"  # not "quantizing": it holds off while the first builds
         (tmp_path / "gate").touch()
-        assert first.wait(120) == 0 and second.wait(120) == 0
+        assert first.wait(HANG_GUARD_S) == 0 and second.wait(HANG_GUARD_S) == 0
         assert second.stdout is not None and second.stdout.read().split() == ["loaded"]
     finally:
         (tmp_path / "gate").touch()
@@ -153,10 +156,10 @@ def test_a_waiting_load_builds_the_entry_itself_when_the_first_dies(home: Path, 
         second = _cold_load(tmp_path)
         assert _first_word(second) == "waiting"
         first.kill()
-        first.wait(60)
+        first.wait(HANG_GUARD_S)
         assert _first_word(second) == "quantizing"
         (tmp_path / "gate").touch()
-        assert second.wait(120) == 0
+        assert second.wait(HANG_GUARD_S) == 0
     finally:
         (tmp_path / "gate").touch()
         for proc in (first, second):

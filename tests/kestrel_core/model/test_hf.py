@@ -19,6 +19,8 @@ from kestrel_core.model.hf import HFCheckpoint, kestrel_name
 from kestrel_core.model.hf_config import config_from_hf
 from kestrel_core.model.quantize import quantize_model
 
+from ..waits import HANG_GUARD_S
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 
 
@@ -444,6 +446,6 @@ def test_a_shard_that_cannot_be_read_is_said_to_be_unreadable(tmp_path: Path, un
     shard = model / "model-00002-of-00003.safetensors"
     shard.chmod(0)
     done = subprocess.run([*unprivileged, sys.executable, "-m", "kestrel_core.entry", "run", "--model", str(model),
-                           "--backend", "cpu", "-n", "1", "hi"], capture_output=True, text=True, timeout=300)
+                           "--backend", "cpu", "-n", "1", "hi"], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert done.stderr.strip().splitlines()[-1] == f"error: {shard}: cannot read it (Permission denied)", done.stderr

@@ -340,7 +340,7 @@ def test_a_refusal_through_requests_keeps_its_reason() -> None:
 
 def _kestrel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **env})
+                          timeout=HANG_GUARD_S, env={**os.environ, **env})
 
 
 def test_kestrel_run_and_pull_take_a_hub_name_and_run_offline_after(hub: FakeHub, tmp_path: Path) -> None:

@@ -21,6 +21,8 @@ from kestrel_core.model.loader import load_model, write_artifact
 from kestrel_core.model.quantize import quantize_model
 from kestrel_core.model.tokenizer import NoTokenizer
 
+from ..waits import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[3]
 FIXTURES = REPO / "tests" / "fixtures" / "models"
 
@@ -113,7 +115,7 @@ def test_loading_safetensors_does_not_import_the_gguf_reader() -> None:
         "assert engine.logits([1, 2, 3]).shape[0] == 3\n"
         "print(sorted(m for m in sys.modules if m == 'gguf' or m.startswith('gguf.') or 'gguf_reader' in m))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"imported while loading safetensors: {out.stdout.strip()}"
 

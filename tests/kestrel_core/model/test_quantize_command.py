@@ -12,6 +12,8 @@ from pathlib import Path
 from kestrel_core import artifact_write
 from kestrel_core.cli import main
 
+from ..waits import HANG_GUARD_S
+
 TINY_LLAMA = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-llama"
 
 
@@ -44,7 +46,7 @@ def test_quantize_refuses_a_directory_it_may_not_write_in_before_loading(tmp_pat
     locked.mkdir(mode=0o555)
     done = subprocess.run([*unprivileged, sys.executable, "-m", "kestrel_core.entry", "quantize",
                            str(tmp_path / "missing"), "-o", str(locked / "x.kst")], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_GUARD_S)
     assert done.returncode == 2
     assert done.stderr.strip() == f"error: cannot write {locked / 'x.kst'}: no permission to write in {locked}"
 

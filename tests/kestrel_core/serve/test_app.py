@@ -27,7 +27,7 @@ from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.serve.server import KestrelServer
 
-from ..waits import HANG_GUARD_S
+from ..waits import HANG_GUARD_S, wait_until
 from .helpers import (
     Scripted,
     assert_stopped,
@@ -704,13 +704,10 @@ def test_a_client_that_leaves_while_sending_its_body_counts_as_gone(server: Kest
 
     gone, bad = count("499"), count("400")
     host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
+    with socket.create_connection((host, int(port)), timeout=HANG_GUARD_S) as conn:
         conn.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 5000\r\n\r\n" + b'{"model": "x", "messages": [' + b" " * 20)
-    for _ in range(100):
-        if count("499") > gone:
-            break
-        time.sleep(0.05)
+    wait_until(lambda: count("499") > gone, "the request counted as gone")
     assert count("499") == gone + 1 and count("400") == bad
 
 

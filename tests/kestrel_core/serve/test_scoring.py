@@ -85,7 +85,7 @@ def test_a_client_that_leaves_during_scoring_stops_it(server: KestrelServer, asy
     alone = _echo_scores(engine, held)
     body = f'{{"model": "{NAME}", "prompt": "{PROMPT}", "echo": true, "logprobs": 1, "max_tokens": 0}}'.encode()
     host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
+    with socket.create_connection((host, int(port)), timeout=HANG_GUARD_S) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
         assert held.started.wait(HANG_GUARD_S)

@@ -209,7 +209,7 @@ def test_the_served_models_are_out_of_the_collectors_walks_while_serving() -> No
     models = ROOT / "tests" / "fixtures" / "models"
     done = subprocess.run([sys.executable, "-c", FROZEN_WHILE_SERVING, "--model", str(models / "tiny-qwen3"),
                            "--model", str(models / "tiny-llama")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen == {"engines": [True, True], "app": True, "status": 0, "frozen_after": 0}
