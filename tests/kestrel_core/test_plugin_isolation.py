@@ -50,11 +50,13 @@ UNCATCHABLE = ["os_exit", "segfault", "atexit_hook", "thread", "sigint", "hang"]
 
 @pytest.fixture(scope="module")
 def fault_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The environment of the kestrel subprocesses: the faults on the path, a probe cache of this module's."""
+    """The environment of the kestrel subprocesses: the faults on the path, a probe cache of this module's, and
+    the hang guard for a probe's timeout (a busy machine can hold a probe past the default) but the hang's."""
     cache = tmp_path_factory.mktemp("faults-probe") / "probes.json"
     keep = {k: v for k, v in os.environ.items() if not k.startswith("KESTREL_") or k == "KESTREL_HOME"}
     return {**keep, "KESTREL_BACKEND_PATH": str(FAULTS), "KESTREL_PROBE_CACHE": str(cache),
-            "KESTREL_HANG_PROBE_TIMEOUT": "1.5", "KESTREL_MODEL_CACHE": "0"}
+            "KESTREL_PROBE_TIMEOUT": str(HANG_GUARD_S), "KESTREL_HANG_PROBE_TIMEOUT": "1.5",
+            "KESTREL_MODEL_CACHE": "0"}
 
 
 def kestrel(args: list[str], env: dict[str, str], timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess[str]:
@@ -235,14 +237,14 @@ def test_a_probe_that_timed_out_is_probed_again_under_a_longer_timeout(tmp_path:
     assert slow.probe == "failed" and "hangs in import (no answer in 0.3 s; KESTREL_PROBE_TIMEOUT" in slow.reason
     monkeypatch.setenv("KESTREL_PROBE_TIMEOUT", "0.2")
     assert Registry().backends["slow"].probe == "failed (cached)" and calls == [1]
-    monkeypatch.setenv("KESTREL_PROBE_TIMEOUT", "30")
+    monkeypatch.setenv("KESTREL_PROBE_TIMEOUT", str(HANG_GUARD_S))
     assert Registry().bind("slow").bound and calls == [1, 1]
     monkeypatch.setenv("KESTREL_PROBE_TIMEOUT", "0.3")
     assert Registry().backends["slow"].probe == "ok (cached)" and calls == [1, 1]
     plugin.write_text(plugin.read_text().replace("time.sleep(1.5)", "time.sleep(1.6)"))
     os.utime(plugin, ns=(time.time_ns(), time.time_ns() + 10**9))
     assert Registry().backends["slow"].probe == "failed" and calls == [1, 1, 1]
-    monkeypatch.setenv("KESTREL_SLOW_PROBE_TIMEOUT", "30")
+    monkeypatch.setenv("KESTREL_SLOW_PROBE_TIMEOUT", str(HANG_GUARD_S))
     assert Registry().backends["slow"].probe.startswith("ok (") and calls == [1, 1, 1, 1]
 
 
