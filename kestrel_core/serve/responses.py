@@ -45,6 +45,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# vLLM's floor for a logprob: -inf (a token of no probability) is written as it, JSON having no infinity, and OpenAI's
+# clients reading a number
+MIN_LOGPROB = -9999.0
+
+
+def wire_logprob(value: float) -> float:
+    """A logprob as the answers write it: at least MIN_LOGPROB, and a NaN (no token's probability) as MIN_LOGPROB too,
+    so that no answer or stream holds JSON's invalid ``-Infinity`` or ``NaN``."""
+    return min(value, 0.0) if value >= MIN_LOGPROB else MIN_LOGPROB  # a NaN compares false
+
+
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """Choice ``index``'s sampling: seed + index with a seed (seeds wrap below 2^63), else the request's."""
     if params.seed is None or index == 0:
@@ -280,8 +291,8 @@ class ChatShape(_Shape):
             return None
         t = self.tokens
         return {"content": [
-            {"token": t(e.token_id), "logprob": e.logprob, "bytes": t.bytes(e.token_id),
-             "top_logprobs": [{"token": t(i), "logprob": lp, "bytes": t.bytes(i)} for i, lp in e.top]}
+            {"token": t(e.token_id), "logprob": wire_logprob(e.logprob), "bytes": t.bytes(e.token_id),
+             "top_logprobs": [{"token": t(i), "logprob": wire_logprob(lp), "bytes": t.bytes(i)} for i, lp in e.top]}
             for e in entries], "refusal": None}
 
     def _reader(self) -> PartStream:
@@ -471,9 +482,10 @@ class CompletionShape(_Shape):
         for e in entries:
             top: dict[str, float] = {}
             for i, lp in e.top:
-                top.setdefault(t(i), lp)  # two ids with one text: the likelier one
-            top.setdefault(t(e.token_id), e.logprob)  # the chosen token's always: up to logprobs + 1, as OpenAI's
-            rows.append((e.token_id, e.logprob, top))
+                top.setdefault(t(i), wire_logprob(lp))  # two ids with one text: the likelier one
+            chosen = wire_logprob(e.logprob)
+            top.setdefault(t(e.token_id), chosen)  # the chosen token's always: up to logprobs + 1, as OpenAI's
+            rows.append((e.token_id, chosen, top))
         for token_id, logprob, top_row in rows:
             token = t(token_id)
             out["tokens"].append(token)
@@ -518,5 +530,5 @@ class CompletionShape(_Shape):
 
 Shape = ChatShape | CompletionShape
 
-__all__ = ["ChatShape", "ChoiceResult", "CompletionShape", "Echo", "Shape", "TokenStrings", "cached_tokens",
-           "choice_params", "finish_reason", "new_id", "usage"]
+__all__ = ["MIN_LOGPROB", "ChatShape", "ChoiceResult", "CompletionShape", "Echo", "Shape", "TokenStrings",
+           "cached_tokens", "choice_params", "finish_reason", "new_id", "usage", "wire_logprob"]
