@@ -382,18 +382,26 @@ class Offload:
     # -- reporting -----------------------------------------------------------------------------------
 
     def backend_stats(self) -> dict[str, Any]:
+        """The backend's own counters (``kestrel_stats``), each name a text and each value a plain one
+        (``plain_counter``): what shows them (``kestrel run --stats``, ``--json``) runs no code of the backend's."""
         if not self.backend.implements("kestrel_stats"):
             return {}
-        merged: dict[str, Any] = {}
+        merged: dict[Any, Any] = {}
         try:
             with plugin_output():
                 for part in self.backend.hook.kestrel_stats(device=self.backend.device):
-                    merged.update(part or {})
+                    if part is None:
+                        continue
+                    if not isinstance(part, Mapping):
+                        self._report("kestrel_stats", f"bad result: {type(part).__name__}, not a dict", None)
+                        continue
+                    merged.update(part)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # counters are never worth a crash
             self._report("kestrel_stats", f"error: {type(exc).__name__}", exc)
-        return merged
+            return {}
+        return {k if type(k) is str else safe_text(k): plain_counter(v) for k, v in merged.items()}
 
     def stats(self) -> dict[str, Any]:
         return {hook: c.as_dict() for hook, c in sorted(self.counters.items())}
@@ -415,6 +423,25 @@ class _Raised:
 # numpy's own integer scalar types, by their type codes: np.longlong and np.intc are types of their own beside np.int64
 # and np.int32 (on Linux); the checks ask for one of these exact types, so no subclass's code runs in them
 _NUMPY_INTS = frozenset(np.dtype(code).type for code in np.typecodes["AllInteger"])
+
+
+# numpy's own number scalar types whose tolist() gives Python's numbers (bool, integers, float16/32/64), by type code
+_NUMPY_NUMBERS = frozenset(np.dtype(code).type for code in "?" + np.typecodes["AllInteger"] + "efd")
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def plain_counter(value: Any) -> Any:
+    """A backend counter's value as Python's None, bool, int, float or str, or a list of them (a numpy number or
+    array of numbers as Python's numbers; any other object as its text, ``safe_text``). Exact types only: no code
+    of the backend's runs."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if kind in _NUMPY_NUMBERS or (kind is np.ndarray and value.dtype.type in _NUMPY_NUMBERS):
+        return value.tolist()
+    if kind in (list, tuple):
+        return [v if type(v) in _PLAIN else safe_text(v) for v in value]
+    return safe_text(value)
 
 
 def _counted(hook: str) -> bool:

@@ -218,3 +218,47 @@ def test_a_backends_own_cases_are_checked_and_the_built_in_ones_run_anyway(tmp_p
         assert any(c.name.endswith("N40 K64 s1") for c in built_in)  # the good one ran
         assert len(refused) == 3 and "ns a non-empty tuple" in refused[0] and "bits one of" in refused[1]
         assert "m must be >= 1" in refused[2]
+
+
+COUNTERS = '''
+import numpy as np
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_gemm_q8, kestrel_open  # noqa: F401
+
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("counters", "1", API_VERSION, "gpu")
+
+
+class Unprintable:
+    def __str__(self):
+        raise SystemExit(5)
+
+
+class Loud(float):
+    def __format__(self, spec):
+        raise ValueError("no format")
+
+
+@hookimpl
+def kestrel_stats(device):
+    return {"unprintable": Unprintable(), 7: "seven", "loud": Loud(0.5), "per_layer": np.array([1, 2], np.int16),
+            "widgets": np.int32(3), "pairs": [Unprintable(), 4]}
+'''
+
+
+def test_a_backends_counters_are_shown_whatever_they_are(tmp_path, monkeypatch, capsys) -> None:
+    """``kestrel run --stats`` shows the backend's counters as plain values: a name or a value whose printing exits
+    or raises is its text, and the command ends 0."""
+    from kestrel_core.cli import main
+
+    (tmp_path / "counters.py").write_text(COUNTERS)
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "counters.py"))
+    tiny = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny-qwen3"
+    assert main(["run", "--model", str(tiny), "--backend", "counters", "-n", "1", "--no-chat", "--stats", "hi"]) == 0
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in capsys.readouterr().err.splitlines() if line.count("│") == 3}
+    cannot = "<a Unprintable that cannot be printed>"
+    assert rows == {"unprintable": cannot, "7": "seven", "loud": "0.5", "per_layer": "[1, 2]", "widgets": "3",
+                    "pairs": f"['{cannot}', 4]"}
