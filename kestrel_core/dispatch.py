@@ -430,17 +430,17 @@ _NUMPY_NUMBERS = frozenset(np.dtype(code).type for code in "?" + np.typecodes["A
 _PLAIN = (type(None), bool, int, float, str)
 
 
-def plain_counter(value: Any) -> Any:
-    """A backend counter's value as Python's None, bool, int, float or str, or a list of them (a numpy number or
-    array of numbers as Python's numbers; any other object as its text, ``safe_text``). Exact types only: no code
-    of the backend's runs."""
+def plain_counter(value: Any, nested: bool = False) -> Any:
+    """A backend counter's value as Python's None, bool, int, float or str, or a list of them (a numpy number or an
+    array of numbers as Python's numbers, a list's or a tuple's items each so; any other object as its text,
+    ``safe_text``). Exact types only: no code of the backend's runs."""
     kind = type(value)
     if kind in _PLAIN:
         return value
     if kind in _NUMPY_NUMBERS or (kind is np.ndarray and value.dtype.type in _NUMPY_NUMBERS):
         return value.tolist()
-    if kind in (list, tuple):
-        return [v if type(v) in _PLAIN else safe_text(v) for v in value]
+    if kind in (list, tuple) and not nested:
+        return [plain_counter(v, True) for v in value]
     return safe_text(value)
 
 

@@ -244,7 +244,7 @@ class Loud(float):
 @hookimpl
 def kestrel_stats(device):
     return {"unprintable": Unprintable(), 7: "seven", "loud": Loud(0.5), "per_layer": np.array([1, 2], np.int16),
-            "widgets": np.int32(3), "pairs": [Unprintable(), 4]}
+            "widgets": np.int32(3), "pairs": [Unprintable(), np.int64(4)]}
 '''
 
 
