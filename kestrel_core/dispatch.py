@@ -59,18 +59,32 @@ _FALLBACK = {
 
 
 class Deferred:
-    """A backend's step still running on its device: ``result()`` waits for it and gives what the hook would
-    have returned, checked (None: declined). Resolved once."""
+    """A backend's step still running on its device, over the sequences ``seq_ids``: ``result()`` waits for it and
+    gives what the hook would have returned, checked (None: declined). Taken once; ``wait()`` waits for it sooner."""
 
-    def __init__(self, resolve: Callable[[], Any]) -> None:
+    def __init__(self, resolve: Callable[[], Any], seq_ids: frozenset[int] = frozenset()) -> None:
         self._resolve: Callable[[], Any] | None = resolve
+        self.seq_ids = seq_ids
+        self._out: list[Any] | None = None
+        self._taken = False
+
+    @property
+    def running(self) -> bool:
+        return self._resolve is not None
+
+    def wait(self) -> None:
+        """Wait for the step now (its result checked, and kept for ``result()``)."""
+        resolve, self._resolve = self._resolve, None
+        if resolve is not None:
+            out = resolve()
+            self._out = None if out is None else list(out)
 
     def result(self) -> Any:
-        resolve, self._resolve = self._resolve, None
-        if resolve is None:
+        if self._taken:
             raise RuntimeError("a deferred step is resolved only once")
-        out = resolve()
-        return None if out is None else list(out)
+        self._taken = True
+        self.wait()
+        return self._out
 
 
 class Offload:
@@ -84,6 +98,7 @@ class Offload:
         self._callers: dict[tuple[str, str], Callable[..., Any] | None] = {}
         self._shown: tuple[Model, Model] | None = None  # (the engine's model, the read-only twin backends get)
         self.refused = False  # the last offer's result came and was refused: the backend ran what it was offered
+        self._running: list[Deferred] = []  # the backend's steps that may still run on its device
 
     def _caller(self, backend: Backend, hook: str) -> Callable[..., Any] | None:
         """The backend's implementation of ``hook`` as a plain call, or None if it has none.
@@ -115,9 +130,10 @@ class Offload:
     # -- the 0/1 protocol ----------------------------------------------------------------------------
 
     def _offer(self, hook: str, flops: int, call: Callable[[], Any], check: Callable[[Any], str | None],
-               deferrable: bool = False) -> Any:
-        """The backend's result, or None when it (or the core on its behalf) declined. With ``deferrable``, a
-        callable result is the backend's step still running: a ``Deferred`` that checks it once it is called."""
+               deferrable: frozenset[int] | None = None) -> Any:
+        """The backend's result, or None when it (or the core on its behalf) declined. With ``deferrable`` (the
+        sequences of the step), a callable result is the backend's step still running: a ``Deferred`` that checks it
+        once it is called."""
         counters = self.counters.get(hook) or self.counters.setdefault(hook, HookCounters())
         counters.offered += 1
         self.refused = False
@@ -126,8 +142,10 @@ class Offload:
             counters.declined[reason] += 1
             return None
         result = self._called(hook, call)
-        if deferrable and callable(result):
-            return Deferred(lambda: self._checked(hook, counters, self._called(hook, result), check))
+        if deferrable is not None and callable(result):
+            pending = Deferred(lambda: self._checked(hook, counters, self._called(hook, result), check), deferrable)
+            self._running = [d for d in self._running if d.running] + [pending]
+            return pending
         return self._checked(hook, counters, result, check)
 
     def _called(self, hook: str, call: Callable[[], Any]) -> Any:
@@ -319,7 +337,7 @@ class Offload:
         if forward is None:
             return None
         out = self._offer("kestrel_forward_batch", 0, lambda: forward(model=self._model(model), batch=list(batch)),
-                          lambda r: check_batch(r, batch, vocab), deferrable=True)
+                          lambda r: check_batch(r, batch, vocab), deferrable=frozenset(e.seq_id for e in batch))
         if out is None or isinstance(out, Deferred):
             return out
         return list(out)
@@ -375,6 +393,12 @@ class Offload:
         self._report(hook, reason, exc)
 
     def release_sequence(self, seq_id: int) -> None:
+        """Forget ``seq_id`` on the device, once no step still running there uses it: a step the engine took no
+        result of (refused, while the step after it already ran) is waited for first, so that the backend never
+        frees what a running step reads and writes."""
+        for pending in self._running:
+            if pending.running and seq_id in pending.seq_ids:
+                pending.wait()
         if not self.on_cpu and self.backend.implements("kestrel_release_sequence"):
             self._called("kestrel_release_sequence", lambda: self.backend.hook.kestrel_release_sequence(
                 device=self.backend.device, seq_id=seq_id))
