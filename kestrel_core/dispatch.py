@@ -4,7 +4,7 @@ Each offload is offered to the chosen backend; ``None`` means declined and the C
 whole output. The core also declines on its own: ``KESTREL_FORCE_CPU=1`` (the backend stays open), below the
 backend's minimum FLOPs, after an exception inside the hook (reported once; any ``BaseException``, a plugin's
 ``sys.exit`` included: only a ``KeyboardInterrupt`` passes), or for a result of the wrong shape or dtype, or
-with non-finite values (NaN or infinity anywhere, found in one reduction pass). Every decision is counted
+with non-finite values (NaN or infinity anywhere): the checks of kestrel_core.results. Every decision is counted
 per hook with its reason.
 """
 
@@ -17,14 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from numpy.lib.array_utils import byte_bounds
 
-from kestrel_core.batch import BatchEntry, id_range
+from kestrel_core.batch import BatchEntry
 from kestrel_core.contract import StripCache, gemm_flops, quantize_activations, read_only_strip, read_only_view
 from kestrel_core.errors import safe_text
 from kestrel_core.guard import plugin_output
 from kestrel_core.model.weights import Model, read_only_model
 from kestrel_core.registry import FORCE_CPU_ENV, Backend, force_cpu
+from kestrel_core.results import NUMPY_INTS, check_array, check_arrays, check_batch, check_iterator, plain_counter
+from kestrel_core.results import all_finite as all_finite  # the engine's check of the host's logits too
 
 log = logging.getLogger("kestrel")
 
@@ -220,7 +221,7 @@ class Offload:
     def _gemm(self, hook: str, shape: tuple[int, int], flops: int, **kwargs: Any) -> np.ndarray:
         if not self.on_cpu:
             out = self._offer(hook, flops, lambda: self._caller(self.backend, hook)(**read_only(kwargs)),
-                              lambda r: _check_array(r, shape, _arrays(kwargs)))
+                              lambda r: check_array(r, shape, _arrays(kwargs)))
             if out is not None:
                 return out
         else:
@@ -326,7 +327,7 @@ class Offload:
         return self._offer("kestrel_forward", 0,
                            lambda: forward(model=self._model(model), seq_id=seq_id, tokens=tokens, start=start,
                                            all_logits=all_logits),
-                           lambda r: _check_array(r, (rows, vocab)))
+                           lambda r: check_array(r, (rows, vocab)))
 
     def forward_batch(self, model: Any, batch: Sequence[BatchEntry], vocab: int
                       ) -> list[np.ndarray] | Deferred | None:
@@ -352,7 +353,7 @@ class Offload:
             return None
         tokens = self._offer(hook, 0, lambda: decode(model=self._model(model), seq_id=seq_id, token=token,
                                                      start=start, count=count),
-                             _check_iterator)
+                             check_iterator)
         return None if tokens is None else self._checked_tokens(hook, tokens, vocab)
 
     def _checked_tokens(self, hook: str, tokens: Iterator[Any], vocab: int) -> Generator[int, Any, None]:
@@ -376,7 +377,7 @@ class Offload:
                 return
             if tok is None:
                 return
-            if type(tok) is not int and type(tok) not in _NUMPY_INTS:
+            if type(tok) is not int and type(tok) not in NUMPY_INTS:
                 self._decline_midway(hook, f"bad result: a token of type {type(tok).__name__}", None)
                 return
             tok = int(tok)
@@ -444,133 +445,9 @@ class _Raised:
         self.exc = exc
 
 
-# numpy's own integer scalar types, by their type codes: np.longlong and np.intc are types of their own beside np.int64
-# and np.int32 (on Linux); the checks ask for one of these exact types, so no subclass's code runs in them
-_NUMPY_INTS = frozenset(np.dtype(code).type for code in np.typecodes["AllInteger"])
-
-
-# numpy's own number scalar types whose tolist() gives Python's numbers (bool, integers, float16/32/64), by type code
-_NUMPY_NUMBERS = frozenset(np.dtype(code).type for code in "?" + np.typecodes["AllInteger"] + "efd")
-_PLAIN = (type(None), bool, int, float, str)
-
-
-def plain_counter(value: Any, nested: bool = False) -> Any:
-    """A backend counter's value as Python's None, bool, int, float or str, or a list of them (a numpy number or an
-    array of numbers as Python's numbers, a list's or a tuple's items each so; any other object as its text,
-    ``safe_text``). Exact types only: no code of the backend's runs."""
-    kind = type(value)
-    if kind in _PLAIN:
-        return value
-    if kind in _NUMPY_NUMBERS or (kind is np.ndarray and value.dtype.type in _NUMPY_NUMBERS):
-        return value.tolist()
-    if kind in (list, tuple) and not nested:
-        return [plain_counter(v, True) for v in value]
-    return safe_text(value)
-
-
 def _counted(hook: str) -> bool:
     """Hooks that do model work (GEMMs, whole steps), as opposed to bookkeeping."""
     return "gemm" in hook or hook in ("kestrel_forward", "kestrel_forward_batch", "kestrel_decode_greedy")
-
-
-def all_finite(a: np.ndarray) -> bool:
-    """No NaN or infinity in ``a``: one pass (a sum is non-finite if any element is; a sum of huge finite
-    values that overflows counts as non-finite too, which is as unusable)."""
-    return not a.size or bool(np.isfinite(np.add.reduce(a, axis=None)))
-
-
-def _check_array(result: Any, shape: tuple[int, ...], inputs: Sequence[np.ndarray] = ()) -> str | None:
-    """Why ``result`` cannot be used as a float32 array of ``shape`` that the engine owns (None: it can): not a
-    plain writable numpy array (a matrix, a read-only view), or one sharing memory with the call's ``inputs``."""
-    if type(result) is not np.ndarray:
-        return f"got {type(result).__name__}, expected a numpy.ndarray"
-    if not result.flags.writeable:
-        return "a read-only array"
-    if any(_overlap(result, x) for x in inputs):
-        return "an array sharing memory with the call's input or another result"
-    if result.dtype != np.float32:
-        return f"dtype {result.dtype}, expected float32"
-    if result.shape != shape:
-        return f"shape {list(result.shape)}, expected {list(shape)}"
-    if not all_finite(result):
-        return "non-finite values"
-    return None
-
-
-def _check_iterator(result: Any) -> str | None:
-    return None if issubclass(type(result), Iterator) else f"{type(result).__name__}, not an iterator"
-
-
-def check_batch(result: Any, batch: Sequence[BatchEntry], vocab: int) -> str | None:
-    """Why ``result`` cannot be the batched whole step's result for ``batch`` (None: it can): one plain array per
-    entry, each as ``_check_array`` asks (or ``argmax_only`` token ids), no logits shared between entries. The
-    dispatcher's test, and selftest's."""
-    if type(result) not in (list, tuple) or len(result) != len(batch):
-        return f"expected a list of {len(batch)} arrays"
-    for r, e in zip(result, batch):
-        if e.argmax_only and type(r) is np.ndarray and r.ndim == 1:
-            bad = _check_ids(r, e.logit_rows, vocab)
-        else:
-            bad = _check_array(r, (e.logit_rows, vocab))
-        if bad:
-            return bad
-    # logits the engine may change in place (penalties, the temperature) must be each entry's own; ids it only reads
-    logits = [r for r in result if r.dtype == np.float32]
-    return "logits sharing memory with another entry's" if _any_shared(logits) else None
-
-
-def _any_shared(arrays: Sequence[np.ndarray]) -> bool:
-    """Whether two of ``arrays`` share an element. Their byte ranges in order of their starts: only arrays whose
-    ranges meet are compared (a batch's results: one pass, not every pair of them)."""
-    if len(arrays) < 2:
-        return False
-    spans = sorted((byte_bounds(a), i) for i, a in enumerate(arrays) if a.size)
-    meeting: list[tuple[int, int]] = []  # (end, index) of the ranges the next may still meet
-    for (start, end), i in spans:
-        meeting = [(e, j) for e, j in meeting if e > start]
-        if any(_overlap(arrays[i], arrays[j]) for _, j in meeting):
-            return True
-        meeting.append((end, i))
-    return False
-
-
-def _check_ids(result: np.ndarray, rows: int, vocab: int) -> str | None:
-    """Token ids of an ``argmax_only`` entry: int64 [rows] in [0, vocab); -1 marks non-finite logits."""
-    if result.dtype != np.int64:
-        return f"token ids of dtype {result.dtype}, expected int64"
-    if result.shape != (rows,):
-        return f"token ids of shape {list(result.shape)}, expected [{rows}]"
-    if not result.size:
-        return None
-    lo, hi = id_range(result)
-    if lo == -1:
-        return "non-finite values"
-    if not (0 <= lo and hi < vocab):
-        return f"token ids outside [0, {vocab})"
-    return None
-
-
-def check_arrays(result: Any, shapes: list[tuple[int, ...]], inputs: Sequence[np.ndarray] = ()) -> str | None:
-    """Why the arrays of ``result`` cannot be a GEMM hook's results of ``shapes`` (None: they can): each as
-    ``_check_array`` asks, and none sharing memory with another. The dispatcher's test, and selftest's."""
-    if type(result) not in (list, tuple) or len(result) != len(shapes):
-        return f"expected a list of {len(shapes)} arrays"
-    for i, (r, s) in enumerate(zip(result, shapes)):
-        bad = _check_array(r, s, [*inputs, *result[:i]])
-        if bad:
-            return bad
-    return None
-
-
-def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether ``a`` and ``b`` share an element (column slices of one array do not); where numpy cannot tell
-    quickly, they count as sharing."""
-    if not np.may_share_memory(a, b):
-        return False
-    try:
-        return bool(np.shares_memory(a, b, max_work=10_000))
-    except np.exceptions.TooHardError:
-        return True
 
 
 def read_only(kwargs: Mapping[str, Any]) -> dict[str, Any]:

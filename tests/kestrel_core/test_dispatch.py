@@ -483,3 +483,18 @@ def test_the_model_the_whole_step_hooks_get_is_read_only_and_shares_the_engines_
     assert np.shares_memory(shown.final_norm, model.final_norm) and not shown.final_norm.flags.writeable
     assert shown.embedding is read_only_strip(model.embedding) is shown.lm_head
     assert all(a is b for (_, x), (_, y) in zip(engine_weights(shown), engine_weights(model)) for a, b in zip(x, y))
+
+
+@pytest.mark.parametrize("sum_from", [4, 1 << 22])
+def test_both_finiteness_checks_find_every_non_finite_value(monkeypatch, sum_from: int) -> None:
+    """Below SUM_CHECK_FROM values isfinite's, from it a sum's: each finds a NaN, +inf or -inf anywhere."""
+    from kestrel_core import results
+
+    monkeypatch.setattr(results, "SUM_CHECK_FROM", sum_from)
+    rows = np.arange(48, dtype=np.float32).reshape(3, 16)
+    assert results.all_finite(rows) and results.all_finite(rows[:0])
+    for value in (np.nan, np.inf, -np.inf):
+        for at in (0, 17, 47):
+            bad = rows.copy()
+            bad.flat[at] = value
+            assert not results.all_finite(bad) and not results.all_finite(bad[:, ::2] if at % 2 == 0 else bad.T)
