@@ -21,7 +21,7 @@ from kestrel_core.serve.server import KestrelServer
 
 from ..waits import wait_until
 from .helpers import Scripted, http, running_server
-from .test_tool_calls import PARIS, THINKING_TEMPLATE, WEATHER
+from .tool_calls import PARIS, THINKING_TEMPLATE, WEATHER
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 NAME = "tiny"

@@ -24,7 +24,7 @@ import kestrel_core
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import Spoken, answering, running_server
-from .test_tool_calls import reply_parts
+from .tool_calls import reply_parts
 
 pytestmark = pytest.mark.default_model
 

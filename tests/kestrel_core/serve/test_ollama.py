@@ -29,7 +29,7 @@ from kestrel_core.serve.server import KestrelServer
 from ..model.test_fim import fim_engine
 from ..waits import wait_until
 from .helpers import Scripted, http, openai_client, running_server
-from .test_tool_calls import HARMONY_CALL, HARMONY_TEMPLATE, PARIS, THINKING_TEMPLATE, WEATHER
+from .tool_calls import HARMONY_CALL, HARMONY_TEMPLATE, PARIS, THINKING_TEMPLATE, WEATHER
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 NAME = "tiny"

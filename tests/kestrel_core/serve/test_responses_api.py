@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import Scripted, http, openai_client, running_server
-from .test_tool_calls import PARIS, THINKING_TEMPLATE, WEATHER
+from .tool_calls import PARIS, THINKING_TEMPLATE, WEATHER
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 NAME = "tiny"

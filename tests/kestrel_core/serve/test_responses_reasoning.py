@@ -17,7 +17,7 @@ from pydantic import TypeAdapter
 import kestrel_core
 
 from .helpers import HI, Spoken, http, openai_client, running_server
-from .test_tool_calls import HARMONY_TEMPLATE, PARIS, THINKING_TEMPLATE, WEATHER
+from .tool_calls import HARMONY_TEMPLATE, PARIS, THINKING_TEMPLATE, WEATHER
 
 NAME = "tiny"
 # answers as the texts their tokens come from; which of them are the reasoning, which the messages

@@ -15,7 +15,7 @@ import kestrel_core
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import http, running_server
-from .test_tool_calls import HERMES_TEMPLATE
+from .tool_calls import HERMES_TEMPLATE
 
 NAME = "tiny"
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"

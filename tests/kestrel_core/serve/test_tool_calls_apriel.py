@@ -16,17 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from .test_tool_calls import (
-    ASK,
-    DAYS,
-    NAME,
-    TIME,
-    WEATHER,
-    _both_served,
-    _fresh,
-    assert_one_forced_forecast,
-    reply_parts,
-)
+from .tool_calls import ASK, DAYS, NAME, TIME, WEATHER, _both_served, _fresh, assert_one_forced_forecast, reply_parts
 
 pytestmark = pytest.mark.default_model
 

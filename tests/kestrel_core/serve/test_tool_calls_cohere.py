@@ -25,7 +25,7 @@ import kestrel_core
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import Scripted, Spoken, answering, openai_client, running_server
-from .test_tool_calls import ASK, DAYS, NAME, TIME, WEATHER, _both_served, assert_one_forced_forecast, reply_parts
+from .tool_calls import ASK, DAYS, NAME, TIME, WEATHER, _both_served, assert_one_forced_forecast, reply_parts
 
 pytestmark = pytest.mark.default_model
 

@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from .test_tool_calls import ASK, DAYS, NAME, _both_served, _fresh, reply_parts
+from .tool_calls import ASK, DAYS, NAME, _both_served, _fresh, reply_parts
 
 pytestmark = pytest.mark.default_model
 
