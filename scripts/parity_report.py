@@ -6,8 +6,8 @@
     python scripts/parity_report.py --kv-cache-type q8  # an int8 KV cache, on the fixtures that can hold one
     python scripts/parity_report.py --models tiny-qwen3-awq,tiny-qwen3-gptq --modes q8
 
-The figures are measured by tests/kestrel_core/model/test_parity.py's own ``measure`` (imported from the
-file, so the table and the tests cannot disagree on what they compute), on the CPU backend unless
+The figures are measured by the parity tests' own ``measure`` (tests/kestrel_core/model/parity.py, imported
+from the file, so the table and the tests cannot disagree on what they compute), on the CPU backend unless
 ``--backend`` names another (the limits printed are the CPU tests' limits).
 """
 
@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TEST_FILE = ROOT / "tests" / "kestrel_core" / "model" / "test_parity.py"
+PARITY_FILE = ROOT / "tests" / "kestrel_core" / "model" / "parity.py"
 
 
 def _parity_module():  # noqa: ANN202 (a module loaded from a file path)
-    spec = importlib.util.spec_from_file_location("kestrel_test_parity", TEST_FILE)
+    spec = importlib.util.spec_from_file_location("kestrel_test_parity", PARITY_FILE)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses resolve their module through sys.modules

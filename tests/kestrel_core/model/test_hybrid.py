@@ -19,7 +19,7 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
 from kestrel_core.model.validate import ValidationError
 
-from .test_parity import CASES, FIXTURES, HYBRID, HYBRID_MOE, HYBRID_NEAR_TIES, Golden, _with_config, measure
+from .parity import CASES, FIXTURES, HYBRID, HYBRID_MOE, HYBRID_NEAR_TIES, Golden, _with_config, measure
 
 DENSE = next(c for c in CASES if c.name == "tiny-qwen3_5")
 DENSE_GGUF = next(c for c in CASES if c.name == "tiny-qwen3_5.gguf")

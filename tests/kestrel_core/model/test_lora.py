@@ -18,7 +18,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.loader import load_model
 
 from .lora_adapters import gguf_adapter, peft_pairs
-from .test_parity import FIXTURES, TINY, Golden
+from .parity import FIXTURES, TINY, Golden
 
 ADAPTER = FIXTURES / "tiny-llama-lora"
 
@@ -186,7 +186,7 @@ def test_an_adapter_of_a_latent_attention_gives_peft_logits(base: str) -> None:
     """An adapter on GLM-4.7-Flash's q_a, q_b, kv_a, kv_b and o (kv_b, which the host absorbs, merged like the
     others): transformers + PEFT's logits within the mixture-of-experts limits (measured at q8, both bases: top-1
     0.975, max 0.077, median 0.0086 of the range); the base alone leaves them (0.075 / 0.58 / 0.39)."""
-    from .test_parity import MOE
+    from .parity import MOE
 
     adapter = FIXTURES / "tiny-glm4-moe-lite-lora"
     golden = Golden(adapter / "golden.npz")

@@ -12,7 +12,7 @@ import pytest
 import kestrel_core
 
 from .lora_adapters import gguf_adapter, hand_merged, peft_adapter
-from .test_parity import FIXTURES
+from .parity import FIXTURES
 
 IDS = list(range(5, 37))
 

@@ -16,7 +16,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.loader import load_model
 
 from .lora_adapters import gguf_adapter, hand_merged, peft_adapter, peft_pairs, trained_in_full
-from .test_parity import FIXTURES
+from .parity import FIXTURES
 
 IDS = list(range(5, 37))
 NORMS = ["model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"]

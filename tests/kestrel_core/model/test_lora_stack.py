@@ -14,8 +14,8 @@ from kestrel_core.cli import main
 from kestrel_core.model.loader import finish_cache_writes, load_model
 
 from .lora_adapters import gguf_adapter, hand_merged, peft_adapter, peft_pairs
+from .parity import FIXTURES
 from .test_lora import ADAPTER, LLAMA_GGUF_NAMES
-from .test_parity import FIXTURES
 
 BASE = FIXTURES / "tiny-llama"
 IDS = list(range(5, 37))

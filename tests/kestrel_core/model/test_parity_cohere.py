@@ -1,5 +1,5 @@
 """Cohere's decoders (Command R, Command R7B) against transformers: each of their rules is needed for the tiny
-fixtures to agree (the agreement itself: test_parity's CASES; figures in docs/parity.md)."""
+fixtures to agree (the agreement itself: parity.py's CASES; figures in docs/parity.md)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kestrel_core.model.gguf_reader import GGUFCheckpoint
 from kestrel_core.model.hf import HFCheckpoint
 from kestrel_core.model.loader import load_model
 
-from .test_parity import CASES, FIXTURES, TINY, Golden, _glm4_halves
+from .parity import CASES, FIXTURES, TINY, Golden, _glm4_halves
 
 
 def _sequential(loaded) -> dict:  # type: ignore[no-untyped-def]
@@ -63,7 +63,7 @@ def test_cohere_done_wrong_leaves_the_limits(name: str, wrong: str) -> None:
 @pytest.mark.parametrize("name", ["tiny-cohere", "tiny-cohere2"])
 def test_cohere_with_rope_in_halves_leaves_the_limits(monkeypatch, name: str) -> None:  # type: ignore[no-untyped-def]
     """Cohere turns interleaved pairs (rotate_half over the even and odd dims), as GLM-4 and ERNIE 4.5."""
-    from .test_parity import measure
+    from .parity import measure
 
     _glm4_halves(monkeypatch)
     fig = measure(next(c for c in CASES if c.name == name), "q8")

@@ -1,5 +1,5 @@
 """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash) against transformers: each of its rules is needed
-for the tiny fixtures to agree (the agreement itself: test_parity's CASES; figures in docs/parity.md)."""
+for the tiny fixtures to agree (the agreement itself: parity.py's CASES; figures in docs/parity.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kestrel_core.model import hf_config, hf_experts
 from kestrel_core.model.gguf_reader import GGUFCheckpoint
 from kestrel_core.model.hf import HFCheckpoint
 
-from .test_parity import CASES, FIXTURES, _with_config, measure
+from .parity import CASES, FIXTURES, _with_config, measure
 
 MLA = ("tiny-deepseek-v3", "tiny-deepseek-v2", "tiny-glm4-moe-lite")
 

@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 import kestrel_core
 
 from .lora_adapters import checkpoint_tensors
-from .test_parity import FIXTURES, TINY, Golden
+from .parity import FIXTURES, TINY, Golden
 
 SEED_OSS = FIXTURES / "tiny-seed-oss"
 O_BIAS = "model.layers.{}.self_attn.o_proj.bias"

@@ -14,7 +14,7 @@ import kestrel_core
 from kestrel_core.model import hf
 from kestrel_core.model.hf import HFCheckpoint
 
-from .test_parity import CASES, FIXTURES, MOE, measure
+from .parity import CASES, FIXTURES, MOE, measure
 
 MOE_VL = next(c for c in CASES if c.name == "tiny-qwen3-vl-moe")
 

@@ -19,7 +19,7 @@ from kestrel_core.model.decoder import route
 from kestrel_core.model.validate import ValidationError
 from kestrel_core.model.weights import LayerWeights
 
-from .test_parity import CASES, FIXTURES, _with_config, measure
+from .parity import CASES, FIXTURES, _with_config, measure
 
 GLM = next(c for c in CASES if c.name == "tiny-glm4-moe")
 GLM_GGUF = next(c for c in CASES if c.name == "tiny-glm4-moe.gguf")
