@@ -1,5 +1,5 @@
-"""How the device forward is checked against the CPU decoder (test_forward.py on the GPU, test_forward_host.py and
-test_forward_models_host.py on the numpy mirrors).
+"""How the device forward is checked against the CPU decoder (the test_forward modules on the GPU,
+test_forward_host.py and test_forward_models_host.py on the numpy mirrors).
 
 Why not a fixed tolerance: every linear quantizes its input per block to int8 (Q8_0). An activation that
 lands within float32 rounding of a rounding boundary gets a code one step (1/127 of its block's maximum)
@@ -297,3 +297,13 @@ def assert_leaves_the_band(model, ops, n_tokens: int = 40, n_prefill: int = 24) 
     result = compare(device_logits(DeviceForward(ops=ops), model, toks, n_prefill), ref,
                      jitter_effect(model, toks, n_prefill, ref))
     assert not result.ok and result.rel_err > 2 * result.tol, str(result)
+
+
+def _check(model, toks, n_prefill, got):  # type: ignore[no-untyped-def]
+    """The device's logits ``got`` within the CPU's band, their argmax the CPU's at 90% of the positions."""
+    ref = cpu_logits(model, toks, n_prefill)
+    result = compare(got, ref, jitter_effect(model, toks, n_prefill, ref))
+    print(f"{model.config.arch}: {result}")
+    assert result.ok, str(result)
+    assert result.argmax_same >= 0.9 * len(toks), str(result)
+    return result

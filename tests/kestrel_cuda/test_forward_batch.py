@@ -33,21 +33,6 @@ from .test_forward_batch_host import (  # noqa: E402, F401  (collected here with
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")]
 
 
-@pytest.fixture(scope="module")
-def stream():  # type: ignore[no-untyped-def]
-    return cp.cuda.Stream(non_blocking=True)
-
-
-@pytest.fixture(scope="module")
-def gemm(stream):  # type: ignore[no-untyped-def]
-    from kestrel_cuda.gemm import DeviceGemm
-    from kestrel_cuda.kernels import compile_kernels
-
-    g = DeviceGemm(cp, compile_kernels(cp), cp.cuda.Device().attributes["MultiProcessorCount"])
-    g.workspace(stream)
-    return g
-
-
 @pytest.fixture
 def make_fwd(stream, gemm):  # type: ignore[no-untyped-def]
     """DeviceForward(**kwargs) on the GPU, rows above 8 through the tiled GEMM."""

@@ -26,29 +26,15 @@ from kestrel_cuda.plan import FINISH_COLS, KV_BLOCK, KV_DTYPE, TOKEN_RING, attn_
 from .forward_check import (  # noqa: E402
     FIXTURES,
     SMALL_CONFIGS,
+    _check,
     cuda_device_count,
     device_logits,
     random_tokens,
     stepwise_greedy,
 )
-from .test_forward import _check  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")]
 
-
-@pytest.fixture(scope="module")
-def stream():  # type: ignore[no-untyped-def]
-    return cp.cuda.Stream(non_blocking=True)
-
-
-@pytest.fixture(scope="module")
-def gemm(stream):  # type: ignore[no-untyped-def]
-    from kestrel_cuda.gemm import DeviceGemm
-    from kestrel_cuda.kernels import compile_kernels
-
-    g = DeviceGemm(cp, compile_kernels(cp), cp.cuda.Device().attributes["MultiProcessorCount"])
-    g.workspace(stream)
-    return g
 
 CAP = 1.0  # small against the scores below (their spread is several units): it changes every one
 

@@ -3,7 +3,7 @@
 ``DeviceForward(ops=NumpyOps())`` runs every step of the GPU path (weight packing into the K-major device
 layout, fused and per-projection projections, sequences, chunks, rewinds, graph record/replay, the residency
 window through a real ``WeightCache``) with numpy standing in for the kernels, checked against the CPU
-decoder. The kernels themselves are checked on the GPU (test_forward.py) against the same references.
+decoder. The kernels themselves are checked on the GPU (the test_forward modules) against the same references.
 """
 
 from __future__ import annotations
