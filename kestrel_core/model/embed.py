@@ -56,14 +56,14 @@ class EmbedJob:
     def __init__(self, engine: Any, inputs: Sequence[Sequence[int]], *, pooling: str | None = None,
                  dimensions: int | None = None, budget: int = PREFILL_CHUNK) -> None:
         c = engine.config
-        if isinstance(inputs, (str, bytes)) or len(inputs) == 0:
+        if isinstance(inputs, (str, bytes)) or not isinstance(inputs, (Sequence, np.ndarray)) or len(inputs) == 0:
             raise InvalidRequest("no input to embed: give a sequence of token id sequences", param="input")
         self.inputs = [check_input(engine, ids) for ids in inputs]
         self.pooling = pooling or c.pooling or "last"
         if self.pooling not in POOLINGS:
             raise InvalidRequest(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}", param="pooling")
         if dimensions is not None and (not is_int(dimensions) or not 1 <= dimensions <= c.hidden_size):
-            raise InvalidRequest(f"dimensions must be in [1, {c.hidden_size}], got {dimensions}", param="dimensions")
+            raise InvalidRequest(f"dimensions must be in [1, {c.hidden_size}], got {dimensions!r}", param="dimensions")
         if budget < 1:
             raise KestrelError("an embedding step needs a budget of at least one token")
         self.engine, self.dimensions, self.budget = engine, dimensions, budget

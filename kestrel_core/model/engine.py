@@ -32,7 +32,7 @@ from kestrel_core.model.kv_pool import KVPool, SeqCache
 from kestrel_core.model.rerank import gives_no_text
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.scoring import check_top
-from kestrel_core.model.validate import is_int
+from kestrel_core.model.validate import is_int, is_token_ids
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Backend, Registry
 
@@ -424,7 +424,7 @@ class Engine:
         """``ids`` as a list of token ids in the vocabulary and the context, for a request on this open engine."""
         if self.closed:
             raise KestrelError("the engine is closed")
-        if isinstance(ids, (str, bytes)) or not _token_ids(ids):
+        if not is_token_ids(ids):
             raise KestrelError(f"the {what} must be a sequence of token ids (integers; text goes through "
                                f"engine.tokenizer.encode first), got {type(ids).__name__}")
         ids = [int(i) for i in ids]
@@ -505,6 +505,8 @@ class Engine:
                  params: SamplingParams | None = None) -> Iterator[int]:
         """Token ids as they are generated (``params`` overrides the keyword arguments)."""
         if params is None:
+            if not isinstance(stop_at_eos, bool):  # ``not stop_at_eos`` would take "no" for True
+                raise InvalidRequest(f"stop_at_eos must be a boolean, got {stop_at_eos!r}", param="stop_at_eos")
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=seed, ignore_eos=not stop_at_eos)
         outputs = self.stream(prompt_ids, params)
@@ -573,16 +575,6 @@ def _behind(tokens: list[int], start: int, new: np.ndarray) -> np.ndarray:
     if start >= len(tokens):
         return new.copy()
     return np.concatenate([np.asarray(tokens[start:], np.int64), new])
-
-
-def _token_ids(ids: Any) -> bool:
-    """Whether ``ids`` is a sequence (or a 1-D integer array) of integers, as token ids are."""
-    if isinstance(ids, np.ndarray):
-        return ids.ndim == 1 and (ids.dtype.kind in "iu" or ids.size == 0)
-    try:
-        return all(is_int(i) for i in ids)
-    except TypeError:  # not iterable
-        return False
 
 
 def resolve_activations(activations: str, backend: Backend) -> str:

@@ -91,7 +91,7 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise bad(name, f"must be a number in [-2, 2], got {value!r}")
-        for name in ("logprobs", "skip_special_tokens"):
+        for name in ("logprobs", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, f"must be a boolean, got {getattr(self, name)!r}")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:

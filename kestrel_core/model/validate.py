@@ -13,7 +13,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,15 @@ def is_int(x: object) -> bool:
 def is_number(x: object) -> bool:
     """A real number (int or float, numpy's too), not a bool and not a string."""
     return is_int(x) or isinstance(x, (float, np.floating))
+
+
+def is_token_ids(ids: object) -> bool:
+    """Whether ``ids`` is a sequence (or a 1-D integer array) of integers, as token ids are: not text, and not an
+    iterator, whose ids the check itself would use up, nor a set, whose order is arbitrary."""
+    if isinstance(ids, np.ndarray):
+        return ids.ndim == 1 and (ids.dtype.kind in "iu" or ids.size == 0)
+    text = (str, bytes, bytearray, memoryview)  # sequences too, bytes' of integers
+    return isinstance(ids, Sequence) and not isinstance(ids, text) and all(is_int(i) for i in ids)
 
 
 def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:

@@ -142,7 +142,9 @@ def test_bad_inputs_are_invalid_requests(engine) -> None:
     cases = [([], {}, "no input"), ([[]], {}, "empty"), ([[c.vocab_size]], {}, "outside the vocabulary"),
              ([[1] * (c.max_position + 1)], {}, "context"), ([[1, 2]], {"dimensions": 0}, "dimensions"),
              ([[1, 2]], {"dimensions": c.hidden_size + 1}, "dimensions"), ([[1, 2]], {"pooling": "max"}, "pooling"),
-             ([[1, 2]], {"dimensions": 4.0}, "dimensions"), ([[1, 2]], {"dimensions": "4"}, "dimensions")]
+             ([[1, 2]], {"dimensions": 4.0}, "dimensions"), ([[1, 2]], {"dimensions": "4"}, "got '4'"),
+             # an iterator of inputs, or of ids, would be used up by the checks: a sequence is asked for
+             ((ids for ids in [[1, 2]]), {}, "no input"), ([iter([1, 2])], {}, "sequence of token ids")]
     for inputs, options, match in cases:
         with pytest.raises(InvalidRequest, match=match):
             engine.embed(inputs, **options)

@@ -325,9 +325,14 @@ def test_misuse_of_the_api_is_a_kestrel_error_naming_it(model) -> None:
     from kestrel_core.model.sampling import SamplingParams
 
     engine = kestrel_core.load(model, backend="cpu")
-    for prompt in ("hello", None, [1.5, 2.0], np.array([[1, 2]]), [True]):
+    # an iterator would be used up by the check (then "empty"), a set has no order, bytes are text
+    for prompt in ("hello", None, [1.5, 2.0], np.array([[1, 2]]), [True], iter(PROMPT), (t for t in PROMPT),
+                   set(PROMPT), b"hello", bytearray(b"hello")):
         with pytest.raises(KestrelError, match="must be a sequence of token ids"):
             list(engine.generate(prompt, max_tokens=2))
+    for stop_at_eos in ("no", None, 0):  # ``not "no"`` is False: it would stop at the end of text
+        with pytest.raises(KestrelError, match="stop_at_eos must be a boolean"):
+            list(engine.generate(PROMPT, max_tokens=2, stop_at_eos=stop_at_eos))
     with pytest.raises(KestrelError, match="max_tokens must be at least 1"):
         list(engine.generate(PROMPT, max_tokens=0))
     with pytest.raises(KestrelError, match="params must be a SamplingParams"):
@@ -339,7 +344,8 @@ def test_misuse_of_the_api_is_a_kestrel_error_naming_it(model) -> None:
         engine.prompt_logprobs(PROMPT, top=-1)
     with pytest.raises(KestrelError, match="tuple of non-empty strings"):
         SamplingParams(stop=["x"]).check()
-    assert len(list(engine.generate(np.array(PROMPT), max_tokens=2))) == 2  # an integer array is token ids
+    for ids in (np.array(PROMPT), tuple(PROMPT), range(3, 9)):  # an integer array, any sequence: token ids
+        assert len(list(engine.generate(ids, max_tokens=2))) == 2
     engine.close()
     engine.close()
     for use in (lambda: list(engine.generate(PROMPT, max_tokens=2)), lambda: engine.logits(PROMPT),
