@@ -24,7 +24,7 @@ from kestrel_core.model.chat_template import (
 from kestrel_core.model.gguf_vocab import build_gguf_vocab
 from kestrel_core.model.hf_config import read_json
 from kestrel_core.model.reasoning import reasoning_markers, without_reasoning
-from kestrel_core.model.validate import check_regular_file
+from kestrel_core.model.validate import check_int, check_regular_file, is_int, is_token_ids, strict_text
 
 PROCESSOR_TEMPLATE = "chat_template.json"  # a processor's own file (transformers' AutoProcessor reads it)
 LONG_DECODE_IDS = 1024  # from here decode lets go of the interpreter lock (Tokenizer.decode); a call costs the same
@@ -153,12 +153,14 @@ class Tokenizer:
         try:
             if max_length is None:
                 return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+            check_int("max_length", max_length, 1)
             own = self.backend.encode_batch([text], add_special_tokens=False)[0]
             added = self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0
             own.truncate(max(max_length - added, 0))
             return list(self.backend.post_process(own, add_special_tokens=add_special_tokens).ids)
         except BaseException as exc:
             _raise_panic(exc, "encode the text")
+            _check_text(text, exc)
             raise
 
     def encode_text(self, text: str) -> list[int]:
@@ -168,6 +170,7 @@ class Tokenizer:
             return list(self._literal.encode_batch([text], add_special_tokens=False)[0].ids)
         except BaseException as exc:
             _raise_panic(exc, "encode the text")
+            _check_text(text, exc)
             raise
 
     @functools.cached_property
@@ -188,10 +191,18 @@ class Tokenizer:
             return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         except BaseException as exc:
             _raise_panic(exc, "decode the tokens")
+            _check_ids(ids, exc)
             raise
 
     def token(self, token_id: int) -> str | None:
-        return self.backend.id_to_token(token_id)
+        """The token's text as the vocabulary spells it; None for an id past the vocabulary."""
+        try:
+            return self.backend.id_to_token(token_id)
+        except (TypeError, OverflowError) as exc:
+            if not is_int(token_id):
+                raise KestrelError(f"a token id must be an integer, got {type(token_id).__name__}") from None
+            _check_ids([token_id], exc)
+            raise
 
     @functools.cached_property
     def left_context(self) -> tuple[int, ...]:
@@ -227,6 +238,7 @@ class Tokenizer:
         """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...]; content a string or a list of
         {"type": "text", "text": ...} parts), rendered sandboxed; ``enable_thinking`` false also turns off the
         thinking of a template that has no switch of its own (reasoning.without_reasoning)."""
+        _check_messages(messages)
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
         source = self._source(bool(kwargs.get("tools")))
         template, parts = self._template(source)
@@ -249,6 +261,39 @@ def _raise_panic(exc: BaseException, what: str) -> None:
     up on a text, say) as a one-line error; any other exception is left to go on as it is."""
     if type(exc).__name__ == "PanicException":
         raise KestrelError(f"the model's tokenizer failed to {what}: {' '.join(str(exc).split())}") from None
+
+
+def _check_messages(messages: object) -> None:
+    """A one-line error for chat messages that are not a sequence of objects (the template would fail on a
+    missing attribute)."""
+    shape = 'messages must be a list of {"role": ..., "content": ...} objects'
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise KestrelError(f"{shape}, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise KestrelError(f"{shape}: message {i} is a {type(message).__name__}")
+
+
+def _check_text(text: object, exc: BaseException) -> None:
+    """A one-line error where the tokenizers library refused ``text`` (with a TypeError that names no argument)
+    as it is no text, or not Unicode text (lone surrogates); nothing for another failure."""
+    if not isinstance(exc, (TypeError, ValueError)):
+        return
+    if not isinstance(text, str):
+        raise KestrelError(f"the text to encode must be a str, got {type(text).__name__}") from None
+    strict_text(text, "the text to encode")
+
+
+def _check_ids(ids: object, exc: BaseException) -> None:
+    """A one-line error where the tokenizers library refused ``ids`` (a TypeError, an OverflowError for a negative
+    one) as they are not token ids; nothing for another failure."""
+    if not isinstance(exc, (TypeError, OverflowError)):
+        return
+    if not is_token_ids(ids):
+        raise KestrelError(f"token ids must be a sequence of integers, got {type(ids).__name__}") from None
+    negative = [int(i) for i in ids if i < 0]  # type: ignore[union-attr]
+    if negative:
+        raise KestrelError(f"token id {negative[0]} is negative") from None
 
 
 class NoTokenizerError(KestrelError, AttributeError):

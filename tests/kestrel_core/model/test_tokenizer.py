@@ -497,3 +497,38 @@ def test_a_gguf_tool_use_template_renders_requests_with_tools(fmt) -> None:
     with pytest.raises(KestrelError, match="tool_use must be text"):
         Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("gpt2"), "gpt2",
                                               **{"tokenizer.chat_template.tool_use": 7}))
+
+
+def test_what_is_no_text_no_token_ids_or_no_messages_is_a_one_line_error() -> None:
+    """The tokenizers library refuses bytes, None, a str with a lone surrogate (no Unicode text), a negative or
+    non-integer id with a TypeError or an OverflowError that names no argument, and a chat template fails on a
+    message that is no object with an AttributeError; each is a KestrelError saying what is wrong, and what they
+    take still works (numpy ids, an id past the vocabulary decoding to nothing)."""
+    tok = Tokenizer.from_hf_dir(str(Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"))
+    for text, says in ((b"abc", "must be a str, got bytes"), (None, "must be a str, got NoneType"),
+                       ("a\ud800b", r"not valid UTF-8 \(character 1\)")):
+        for encode in (tok.encode, tok.encode_text, lambda t: tok.encode(t, max_length=4)):
+            with pytest.raises(KestrelError, match=says):
+                encode(text)
+    with pytest.raises(KestrelError, match="not valid UTF-8"):
+        tok.encode_chat([{"role": "user", "content": "a\ud800b"}])
+    for bad in ("3", -1, 2.5):
+        with pytest.raises(KestrelError, match="max_length must be an integer"):
+            tok.encode("hello world", max_length=bad)
+    for ids, says in (([-1], "token id -1 is negative"), ("abc", "got str"), ([1.5], "got list"),
+                      (None, "got NoneType"), ((i for i in [1]), "got generator")):
+        with pytest.raises(KestrelError, match=says):
+            tok.decode(ids)
+    for one in (lambda: tok.token(-1), lambda: tok.token_text(-1), lambda: tok.token("a")):
+        with pytest.raises(KestrelError, match="is negative|must be an integer, got str"):
+            one()
+    for messages, says in (("hi", "got str"), ([None], "message 0 is a NoneType"),
+                           ([{"role": "user", "content": "hi"}, "hi"], "message 1 is a str")):
+        for render in (tok.apply_chat_template, tok.encode_chat):
+            with pytest.raises(KestrelError, match=f'messages must be a list of {{"role": ..., "content": ...}} '
+                                                   f'objects.*{says}'):
+                render(messages)
+    ids = tok.encode("hello world")
+    assert tok.decode(np.array(ids)) == tok.decode(ids) == tok.backend.decode(ids)
+    assert tok.token(ids[0]) == tok.backend.id_to_token(ids[0]) and tok.token(10 ** 9) is None
+    assert tok.decode([10 ** 9]) == ""
