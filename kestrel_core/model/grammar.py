@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core.errors import InvalidRequest, KestrelError
+from kestrel_core.errors import InvalidRequest, KestrelError, invalid_request
+from kestrel_core.model.validate import strict_text
 
 
 def _llguidance() -> Any:
@@ -50,25 +51,34 @@ def lark_json(schema: dict[str, Any]) -> str:
 
 def lark_grammar(lark: str, param: str = "grammar") -> str:
     """The grammar of a Lark grammar's text (llguidance's dialect: ``%json {schema}`` embeds a JSON Schema)."""
-    grammar = _llguidance().LLMatcher.grammar_from_lark(lark)
+    grammar = _llguidance().LLMatcher.grammar_from_lark(_text(lark, "a Lark grammar", param))
     check_grammar(grammar, param)
     return grammar
 
 
 def regex_grammar(regex: str, param: str = "grammar") -> str:
     """The grammar of the texts a regular expression matches whole."""
-    grammar = _llguidance().LLMatcher.grammar_from_regex(regex)
+    grammar = _llguidance().LLMatcher.grammar_from_regex(_text(regex, "a regular expression", param))
     check_grammar(grammar, param)
     return grammar
 
 
 def check_grammar(grammar: str, param: str = "grammar") -> None:
     """InvalidRequest (naming ``param``) for a grammar llguidance refuses; cheap: no vocabulary is needed."""
-    if not isinstance(grammar, str):
-        raise InvalidRequest(f"a grammar is llguidance's grammar text, got {type(grammar).__name__}", param=param)
-    error = _llguidance().LLMatcher.validate_grammar(grammar)
+    error = _llguidance().LLMatcher.validate_grammar(_text(grammar, "a grammar", param, "llguidance's grammar text"))
     if error and not error.startswith("WARNING"):
         raise InvalidRequest(f"invalid grammar: {' '.join(error.split())}", param=param)
+
+
+def _text(text: object, what: str, param: str, kind: str = "a str") -> str:
+    """``text`` where it is Unicode text: llguidance refuses anything else with a TypeError or a UnicodeEncodeError
+    (a lone surrogate) that names no argument."""
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{what} is {kind}, got {type(text).__name__}", param=param)
+    try:
+        return strict_text(text, what)
+    except KestrelError as exc:
+        raise invalid_request(exc, param) from None
 
 
 def grammar_vocab(tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:

@@ -122,6 +122,13 @@ def test_a_grammar_is_not_an_argmax_for_the_device() -> None:
     (lambda: kestrel_core.regex_grammar("(unclosed"), "invalid grammar"),
     (lambda: check_grammar("not a grammar at all {"), "invalid grammar"),
     (lambda: SamplingParams(grammar=5).check(), "grammar"),  # type: ignore[arg-type]
+    # what llguidance refuses with a TypeError or a UnicodeEncodeError naming nothing
+    (lambda: kestrel_core.regex_grammar(None), "a regular expression is a str, got NoneType"),
+    (lambda: kestrel_core.regex_grammar(b"a+"), "a regular expression is a str, got bytes"),
+    (lambda: lark_grammar(None), "a Lark grammar is a str, got NoneType"),
+    (lambda: kestrel_core.regex_grammar("a\ud800"), r"a regular expression is not valid UTF-8 \(character 1\)"),
+    (lambda: lark_grammar('start: "\udfff"'), "a Lark grammar is not valid UTF-8"),
+    (lambda: check_grammar('start: "\ud800"'), "a grammar is not valid UTF-8"),
 ])
 def test_bad_grammars_are_one_line_errors(make: Any, says: str) -> None:
     with pytest.raises(InvalidRequest, match=says) as info:
