@@ -31,6 +31,7 @@ from kestrel_core.model.request_queue import FCFS
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, Scheduler
 from kestrel_core.model.scoring import Scoring
+from kestrel_core.model.validate import check_int
 
 if TYPE_CHECKING:
     from kestrel_core.model.grammar import Constraint
@@ -244,6 +245,7 @@ class AsyncEngine:
         """``n`` places of the capacity for one request of several parts (``generate``'s and ``score``'s
         ``places``), taken now or not at all (refused as ``generate`` refuses one request); those no part holds
         come back when the block ends, the others as their parts end."""
+        check_int("places", n, 1)  # fewer than one would give the capacity more room than it has
         with self._lock:
             self._check_room(n)
             self._held += n

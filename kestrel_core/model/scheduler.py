@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
+from kestrel_core.errors import InvalidRequest, Overloaded
 from kestrel_core.model import scoring
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.grammar import Constraint, prepare_masks
@@ -57,6 +57,7 @@ from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, l
 from kestrel_core.model.scoring import Scoring
 from kestrel_core.model.speculate import Guesser, LookupGuesser
 from kestrel_core.model.tokenizer import NoTokenizer
+from kestrel_core.model.validate import check_int
 from kestrel_core.model.weights import PREFILL_CHUNK
 
 log = logging.getLogger("kestrel")
@@ -77,9 +78,9 @@ class Scheduler(LoneDecode):
 
     def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING, policy: str = FCFS) -> None:
-        token_budget = default_token_budget(max_batch) if token_budget is None else token_budget
-        if max_batch < 1 or token_budget < 1 or max_waiting < 0:
-            raise KestrelError("the scheduler needs max_batch >= 1, token_budget >= 1 and max_waiting >= 0")
+        max_batch, max_waiting = check_int("max_batch", max_batch, 1), check_int("max_waiting", max_waiting, 0)
+        token_budget = (default_token_budget(max_batch) if token_budget is None
+                        else check_int("token_budget", token_budget, 1))
         self.engine = engine
         self.pool = engine.pool
         self.max_batch = max_batch

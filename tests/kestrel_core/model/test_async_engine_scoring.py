@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import kestrel_core
-from kestrel_core.errors import Overloaded
+from kestrel_core.errors import KestrelError, Overloaded
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.kv_pool import BLOCK_SIZE, bytes_per_position
 from kestrel_core.model.presets import synthetic_model
@@ -125,6 +125,10 @@ def test_a_requests_places_are_kept_between_its_parts_and_freed_as_it_ends(model
             try:
                 with pytest.raises(Overloaded, match="at capacity"), front.places(3):
                     pass
+                for n in (0, -2, "2", 1.5):  # -2 would have made room for two requests past the capacity
+                    with pytest.raises(KestrelError, match="places must be an integer"), front.places(n):
+                        pass
+                assert front.active == 0
                 with front.places(2) as places:
                     with pytest.raises(Overloaded, match="at capacity"):
                         await front.score([5, 6, 7])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 import kestrel_core
-from kestrel_core.errors import InvalidRequest, Overloaded
+from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model.presets import synthetic_model
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
@@ -292,6 +294,22 @@ def test_requests_that_cannot_run_are_refused_and_a_full_queue_is_overloaded(mod
         scheduler.add([3, 4], SamplingParams(max_tokens=3))  # the second waits
         with pytest.raises(Overloaded, match="capacity"):
             scheduler.add([5, 6], SamplingParams())
+
+
+def test_a_scheduler_of_a_bad_size_is_a_one_line_error(model) -> None:
+    """Its sizes are integers (a str was a TypeError of a comparison, 2.5 a batch taken), and so an AsyncEngine's."""
+    with kestrel_core.load(model, backend="cpu") as engine:
+        for kwargs, says in (({"max_batch": "4"}, "max_batch must be an integer, got '4'"),
+                             ({"max_batch": 2.5}, "max_batch must be an integer, got 2.5"),
+                             ({"max_batch": 0}, "max_batch must be an integer >= 1, got 0"),
+                             ({"max_waiting": -1}, "max_waiting must be an integer >= 0, got -1"),
+                             ({"max_waiting": None}, "max_waiting must be an integer, got None"),
+                             ({"token_budget": "64"}, "token_budget must be an integer, got '64'"),
+                             ({"token_budget": 0}, "token_budget must be an integer >= 1, got 0")):
+            for make in (Scheduler, kestrel_core.AsyncEngine):
+                with pytest.raises(KestrelError, match=re.escape(says)):
+                    make(engine, **kwargs)
+        assert Scheduler(engine, max_batch=np.int64(3), token_budget=None).token_budget == 3 + PREFILL_CHUNK
 
 
 def test_a_sequence_that_outgrows_the_whole_cache_ends_with_length(model) -> None:
