@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.validate import strict_text
 from kestrel_core.serve.errors import APIError
 from kestrel_core.serve.metrics import ServerMetrics
 
@@ -152,6 +153,18 @@ class ApiKeyMiddleware:
         bearer: Any = next((v for k, v in headers if k == b"authorization"), b"")
         key: Any = next((v for k, v in headers if k == b"x-api-key"), b"")
         return secrets.compare_digest(bytes(bearer), self.expected) or secrets.compare_digest(bytes(key), self.key)
+
+
+def checked_api_key(api_key: object) -> str | None:
+    """``api_key`` as the key requests must send, stripped as a header's value is read, or None for none; a blank
+    one fails closed (it would serve without a key), as one that is no text does."""
+    if api_key is None:
+        return None
+    if not isinstance(api_key, str):
+        raise KestrelError(f"api_key must be a str (None: no key), got {type(api_key).__name__}")
+    if not api_key.strip():
+        raise KestrelError("api_key is blank: give a key, or None to serve without one")
+    return strict_text(api_key.strip(), "api_key")
 
 
 def _hostname(authority: str) -> str:

@@ -41,6 +41,7 @@ from kestrel_core.serve.access import (
     BodyLimitMiddleware,
     BrowserGuardMiddleware,
     JsonBodyMiddleware,
+    checked_api_key,
 )
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers, validated
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -353,6 +354,7 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
     name no model); with ``api_key``, /v1/* and /api/* need it; ``pooling``: the embeddings' (None: each
     model's); a request body over ``max_request_bytes`` is a 413; ``loopback`` (it listens on a loopback address)
     and ``allowed_origins``: BrowserGuardMiddleware's."""
+    api_key = checked_api_key(api_key)
     models = Models(engines, pooling)
     metrics = ServerMetrics(engines)
 

@@ -34,10 +34,12 @@ import uvicorn
 from kestrel_core.entry import INTERRUPTED_EXIT
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.engine import Engine
 from kestrel_core.model.hub import parse_hub_spec
 from kestrel_core.model.request_queue import FCFS
 from kestrel_core.model.rerank import is_reranker
 from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
+from kestrel_core.model.validate import check_int
 from kestrel_core.serve.access import DEFAULT_MAX_REQUEST_BYTES, is_loopback
 from kestrel_core.serve.app import create_app
 from kestrel_core.serve.connection import DEFAULT_LIMITS, ConnectionLimits, protocol_with
@@ -67,6 +69,9 @@ def default_model_name(source: str) -> str:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (port 0: any free one); a one-line KestrelError if it cannot be."""
+    if not isinstance(host, str):
+        raise KestrelError(f"host must be a str, got {type(host).__name__}")
+    check_int("port", port, 0, 65535)  # getaddrinfo would take 70000 for 4464
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -306,6 +311,10 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
     request body taken (a larger one is a 413); ``allowed_origins``: build_server's; ``scheduling_policy``: the
     schedulers', fcfs or priority (kestrel_core.model.request_queue)."""
     engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+    for engine in engines:
+        if not isinstance(engine, Engine):
+            raise KestrelError(f"serve takes an Engine (kestrel_core.load) or a list of them, got "
+                               f"{type(engine).__name__}")
     named: dict[str, AsyncEngine] = {}
     for i, engine in enumerate(engines):
         given = model_names[i] if i < len(model_names) else None

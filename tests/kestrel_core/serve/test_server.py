@@ -18,7 +18,8 @@ import openai
 import pytest
 
 from kestrel_core.errors import KestrelError
-from kestrel_core.serve.server import bind_socket, default_model_name
+from kestrel_core.serve.app import create_app
+from kestrel_core.serve.server import bind_socket, default_model_name, serve
 
 from ..waits import HANG_GUARD_S, wait_until
 from .helpers import http
@@ -56,6 +57,23 @@ def test_a_busy_port_is_a_one_line_error() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(KestrelError, match=f"cannot listen on 127.0.0.1:{port}"):
             bind_socket("127.0.0.1", port)
+
+
+def test_bad_serve_arguments_are_one_line_errors_before_anything_runs() -> None:
+    """From Python: a port past 65535 (getaddrinfo took 70000 for 4464), a host or engine of the wrong type (an
+    AttributeError), and an API key that is blank (it served without one), not text, or not Unicode text."""
+    for host, port, says in (("127.0.0.1", 70000, r"port must be an integer in \[0, 65535\], got 70000"),
+                             ("127.0.0.1", -1, "port must be an integer in"), ("127.0.0.1", "80", "port must be an"),
+                             (5, 0, "host must be a str, got int")):
+        with pytest.raises(KestrelError, match=says):
+            bind_socket(host, port)  # type: ignore[arg-type]
+    for engines in (None, "engine", [None]):
+        with pytest.raises(KestrelError, match="serve takes an Engine .* or a list of them, got (NoneType|str)"):
+            serve(engines, port=0)
+    for key, says in (("", "api_key is blank"), (" \t", "api_key is blank"), (5, "api_key must be a str"),
+                      ("k\ud800", "api_key is not valid UTF-8")):
+        with pytest.raises(KestrelError, match=says):
+            create_app({}, api_key=key)  # type: ignore[arg-type]
 
 
 class _Serve:
