@@ -187,8 +187,8 @@ class Engine:
         self._on_close.append(stop)
 
     def close(self) -> None:
-        """Stop what serves this engine (``on_close``), then close the backends; every later request is a
-        KestrelError (closing again does nothing)."""
+        """Stop what serves this engine (``on_close``), then close the backends; every later request, and the next
+        step of a stream under way, is a KestrelError (closing again does nothing)."""
         self.closed = True
         stops, self._on_close = self._on_close, []
         for stop in reversed(stops):
@@ -532,6 +532,8 @@ class Engine:
         start = t0 = time.perf_counter()
         try:
             while not request.finished or scheduler.has_work:  # its end may come a step later (a failure)
+                if self.closed:  # its backends are closed: a step would run on what they released
+                    raise KestrelError("the engine was closed while the request ran")
                 outputs = scheduler.step()
                 t1 = time.perf_counter()
                 for out in outputs:

@@ -359,6 +359,22 @@ def test_misuse_of_the_api_is_a_kestrel_error_naming_it(model) -> None:
             kestrel_core.load(model, backend="cpu", **kwargs)
 
 
+def test_closing_the_engine_ends_its_streams_under_way(model) -> None:
+    """A stream taken before close() ran its next steps on the closed backends (a TypeError from a hook that is
+    gone, or tokens from a device that released its memory); it ends with a KestrelError, its blocks freed."""
+    from kestrel_core.model.sampling import SamplingParams
+
+    engine = kestrel_core.load(model, backend="cpu")
+    running = engine.generate(PROMPT, max_tokens=20, stop_at_eos=False)
+    next(running)
+    untouched = engine.stream(PROMPT, SamplingParams(max_tokens=4))
+    engine.close()
+    for stream in (running, untouched):
+        with pytest.raises(KestrelError, match="the engine was closed while the request ran"):
+            next(stream)
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
 def test_a_model_path_may_be_a_path_object() -> None:
     tiny = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-llama"
     with kestrel_core.load(tiny, backend="cpu") as by_path, kestrel_core.load(str(tiny), backend="cpu") as by_text:
