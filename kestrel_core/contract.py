@@ -61,6 +61,10 @@ class StripCache:
         if check_range:
             check_code_range(codes, bits)
 
+    def __repr__(self) -> str:  # its codes' elements would run to megabytes for one weight
+        n, k = self.shape
+        return f"StripCache([{n}, {k}], bits={self.bits}, group_size={self.group_size})"
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape  # type: ignore[return-value]

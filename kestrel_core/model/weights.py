@@ -10,6 +10,7 @@ and the synthetic presets all build a ``Model`` from it through ``assemble``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,25 @@ def _fields(groups: tuple[ProjGroup, ...]) -> tuple[tuple[str, ...], ...]:
 _MLP_GROUP_FIELDS = _fields(MLP_GROUPS)
 
 
-@dataclass
+def brief_repr(weights: Any) -> str:
+    """A weights dataclass's repr, its fields that are set with each array as its shape and each sequence as its
+    length: the elements would run to megabytes for a model (a notebook shows what it is given)."""
+    parts = []
+    for f in dataclasses.fields(weights):
+        value = getattr(weights, f.name)
+        if value is None or isinstance(value, tuple) and not value:
+            continue
+        if isinstance(value, np.ndarray):
+            text = f"array({list(value.shape)}, {value.dtype})"
+        elif isinstance(value, (list, tuple)):
+            text = f"[{len(value)} {type(value[0]).__name__}]"
+        else:
+            text = repr(value)
+        parts.append(f"{f.name}={text}")
+    return f"{type(weights).__name__}({', '.join(parts)})"
+
+
+@dataclass(repr=False)
 class ExpertWeights:
     """One expert of a mixture-of-experts layer: a SwiGLU MLP of width Fe."""
 
@@ -65,8 +84,10 @@ class ExpertWeights:
         """(gate, up), (down,): as ``MLP_GROUPS``."""
         return tuple(tuple(getattr(self, name) for name in fields) for fields in _MLP_GROUP_FIELDS)
 
+    __repr__ = brief_repr
 
-@dataclass
+
+@dataclass(repr=False)
 class LayerWeights:
     q: StripCache | None = None  # [H*hd, D]; None in a layer without attention (linear, conv, mamba)
     k: StripCache | None = None  # [KV*hd, D]
@@ -165,8 +186,10 @@ class LayerWeights:
         """The strips of each of ``proj_groups()``: (q, k, v), (o,), (gate, up), (down,) in a Llama layer."""
         return tuple(strips for _, strips in self.proj_groups())
 
+    __repr__ = brief_repr
 
-@dataclass
+
+@dataclass(repr=False)
 class Model:
     config: ModelConfig
     embedding: StripCache  # [V, D]; rows dequantized at lookup
@@ -188,6 +211,8 @@ class Model:
     @property
     def nbytes(self) -> int:
         return sum(w.nbytes for _, w in self.weights())
+
+    __repr__ = brief_repr
 
 
 def engine_weights(model: Model) -> list[tuple[int, tuple[StripCache, ...]]]:
