@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kestrel_core.errors import InvalidRequest
+from kestrel_core.errors import InvalidRequest, KestrelError, invalid_request
+from kestrel_core.model.validate import strict_text
 
 if TYPE_CHECKING:
     from kestrel_core.model.grammar import Constraint
@@ -81,6 +82,11 @@ class SamplingParams:
             raise bad("stop", f"must be a tuple of non-empty strings, got {self.stop!r}")
         if not all(self.stop):  # vLLM's words: the empty string ends every answer before it begins
             raise bad("stop", "cannot contain an empty string")
+        for s in self.stop:  # a lone surrogate is in no decoded text: such a stop string would never match
+            try:
+                strict_text(s, "stop")
+            except KestrelError as exc:
+                raise invalid_request(exc, "stop") from None
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if isinstance(self.stop_token_ids, tuple) and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:

@@ -137,6 +137,7 @@ def test_the_same_seed_gives_the_same_tokens() -> None:
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": float("inf")}, "frequency_penalty"),
     ({"top_logprobs": 21}, "top_logprobs"), ({"stop": ("",)}, "stop"), ({"stop": ("a",) * 65}, "stop"),
     ({"stop_token_ids": (-3,)}, "stop_token_ids"), ({"logprobs": 1}, "logprobs"),
+    ({"stop": ("ok", "a\ud800")}, "stop"),  # no decoded text holds a lone surrogate: it would never stop
     ({"ignore_eos": "no"}, "ignore_eos"), ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"skip_special_tokens": None}, "skip_special_tokens"),
     ({"logit_bias": ((1, 100.5),)}, "logit_bias"), ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
