@@ -102,6 +102,8 @@ class SamplingParams:
                 raise bad(name, f"must be a boolean, got {getattr(self, name)!r}")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:  # OpenAI's rule too: they would be left out unsaid
+            raise bad("top_logprobs", "needs logprobs=True (the alternatives come with each token's logprob)")
         if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad("logit_bias", f"must hold at most {MAX_LOGIT_BIAS} (token id, bias) pairs")
         for pair in self.logit_bias:
