@@ -12,6 +12,7 @@ likewise a device that declined earlier is offered the tokens it missed along wi
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -164,7 +165,7 @@ class Engine:
         # recommends (config.sampling); {} ignores it
         self.sampling_defaults: dict[str, float] = dict(model.config.sampling or {})
         self.last = RunStats()
-        self._next_seq = 1
+        self._seq_ids = itertools.count(1)  # one next() each: two threads' sequences never share an id
         self.preload_s = 0.0
         self.load_s = 0.0  # reading/building the model, set by load()
         self._vocabulary: Any = None  # llguidance's view of the vocabulary, built when first asked for
@@ -276,9 +277,8 @@ class Engine:
         """A new sequence whose first ``prompt_len`` tokens are its prompt (float32 in "mixed" mode). With ``tokens``
         (the prompt, and those generated before a preemption: ``resumed``), the longest cached prefix of the prompt
         short of its last token is attached (a prefix-cache hit unless ``resumed``): ``seq.tokens`` starts with it."""
-        seq = SeqState(self._next_seq, self.pool.new_sequence())
+        seq = SeqState(next(self._seq_ids), self.pool.new_sequence())
         seq.cache.prompt_len = prompt_len
-        self._next_seq += 1
         if self.prefix_cache and tokens:
             attached = self.pool.attach_prefix(seq.cache, tokens, prompt_len - 1, resumed)
             seq.tokens = [int(t) for t in tokens[:attached]]
