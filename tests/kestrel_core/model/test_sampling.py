@@ -135,7 +135,8 @@ def test_the_same_seed_gives_the_same_tokens() -> None:
     ({"top_k": -1}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": True}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"), ({"seed": -1}, "seed"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": float("inf")}, "frequency_penalty"),
-    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 3}, "top_logprobs"), ({"stop": ("",)}, "stop"), ({"stop": ("a",) * 65}, "stop"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"), ({"stop": ("",)}, "stop"), ({"stop": ("a",) * 65}, "stop"),
     ({"stop_token_ids": (-3,)}, "stop_token_ids"), ({"logprobs": 1}, "logprobs"),
     ({"stop": ("ok", "a\ud800")}, "stop"),  # no decoded text holds a lone surrogate: it would never stop
     ({"ignore_eos": "no"}, "ignore_eos"), ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
