@@ -289,7 +289,7 @@ def install(app: FastAPI, models: Models) -> None:
             return response
         return JSONResponse({"embedding": json.loads(bytes(response.body))["data"][0]["embedding"]})
 
-    @app.get("/api/tags")
+    @app.api_route("/api/tags", methods=["GET", "HEAD"])  # Ollama answers HEAD too: a health check's
     async def tags() -> dict[str, Any]:
         return {"models": [card(served) for served in models]}
 
@@ -302,14 +302,15 @@ def install(app: FastAPI, models: Models) -> None:
     async def show(body: Annotated[ShowBody, json_body(ShowBody)]) -> dict[str, Any]:
         return show_model(model_of(models, model_required(body.model or body.name)))
 
-    @app.get("/api/version")
+    @app.api_route("/api/version", methods=["GET", "HEAD"])
     async def version() -> dict[str, str]:
         return {"version": OLLAMA_VERSION, "kestrel_version": kestrel_core.__version__}
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # a heartbeat, no API
     async def running() -> PlainTextResponse:
-        """Ollama's heartbeat: its CLI and clients check the server with ``HEAD /`` before anything else."""
-        return PlainTextResponse("kestrel is running")
+        """Ollama's heartbeat: its CLI checks the server with ``HEAD /`` before anything else, and clients that
+        detect an Ollama server compare ``GET /``'s text with Ollama's."""
+        return PlainTextResponse("Ollama is running")
 
 
 def ollama_name(served: Served) -> str:

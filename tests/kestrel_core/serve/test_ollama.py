@@ -61,13 +61,6 @@ def test_the_model_is_listed_shown_and_running(ol: ollama.Client, engine: Any) -
     assert model.details.format == "safetensors"
 
 
-def test_the_heartbeat_answers(server: KestrelServer) -> None:
-    """Ollama's CLI checks a server with HEAD / before anything else."""
-    for method in ("HEAD", "GET"):
-        status, _, body = http(method, f"{server.url}/")
-        assert status == 200 and body == (b"" if method == "HEAD" else b"kestrel is running")
-
-
 def test_the_version_is_an_ollama_release_that_clients_accept(server: KestrelServer) -> None:
     status, _, raw = http("GET", f"{server.url}/api/version")
     body = json.loads(raw)
