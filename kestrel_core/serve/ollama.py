@@ -111,13 +111,16 @@ def _ns(seconds: float) -> int:
 
 
 def _ollama_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """OpenAI's tool calls as Ollama's: the arguments as an object."""
+    """OpenAI's tool calls as Ollama's: each with its id (which the result's ``tool_call_id`` may name) and its
+    place among the answer's calls as ``function.index``, the arguments as an object."""
     if not calls:
         return None
     out = []
-    for call in calls:
+    for k, call in enumerate(calls):
         fn = call.get("function") or {}
-        out.append({"function": {"name": fn.get("name", ""), "arguments": arguments_object(fn.get("arguments"))}})
+        out.append({"id": call.get("id", ""), "function": {
+            "index": call.get("index", k), "name": fn.get("name", ""),
+            "arguments": arguments_object(fn.get("arguments"))}})
     return out
 
 

@@ -88,6 +88,7 @@ class ToolFunction(OllamaBody):
 
 
 class ToolCall(OllamaBody):
+    id: StrictStr | None = None  # as Ollama's answers give it: a result's ``tool_call_id`` names the call
     function: ToolFunction
 
 
@@ -98,6 +99,7 @@ class Message(OllamaBody):
     thinking: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
 
 
 class GenerationBody(OllamaBody):
@@ -226,11 +228,13 @@ def model_required(name: str) -> str:
 
 
 def _openai_messages(messages: list[Message], tool_format: str | None) -> list[dict[str, Any]]:
-    """Ollama's messages as OpenAI's. Ollama's calls have no ids, so each gets one made from where it stands (the
-    same prompt each time a conversation is sent again), in the shape ``tool_format``'s template takes; a tool
-    result answers the earliest unanswered call of its ``tool_name``, or the earliest unanswered one."""
+    """Ollama's messages as OpenAI's. Each call gets an id made from where it stands (the same prompt each time a
+    conversation is sent again), in the shape ``tool_format``'s template takes, whatever id the client's call
+    carries (Ollama's are its own, which a Mistral template refuses); a tool result answers the call its
+    ``tool_call_id`` names, else the earliest unanswered call of its ``tool_name``, or the earliest unanswered
+    one."""
     out: list[dict[str, Any]] = []
-    unanswered: list[tuple[str, str]] = []  # (id, name) of the calls no result has answered yet
+    unanswered: list[tuple[str, str, str | None]] = []  # (id, name, the client's id) of the calls not answered yet
     for i, m in enumerate(messages):
         if m.images:
             raise APIError(400, "images are not supported (kestrel serves text models)", param="messages")
@@ -242,9 +246,10 @@ def _openai_messages(messages: list[Message], tool_format: str | None) -> list[d
             message["tool_calls"] = [{"id": id_, "type": "function", "function": {
                 "name": c.function.name, "arguments": json.dumps(c.function.arguments)}}
                 for id_, c in zip(ids, m.tool_calls)]
-            unanswered = [(id_, c.function.name) for id_, c in zip(ids, m.tool_calls)]
+            unanswered = [(id_, c.function.name, c.id) for id_, c in zip(ids, m.tool_calls)]
         if m.role == "tool":
-            match = next((c for c in unanswered if c[1] == m.tool_name), unanswered[0] if unanswered else None)
+            match = next((c for c in unanswered if m.tool_call_id and c[2] == m.tool_call_id), None) or next(
+                (c for c in unanswered if c[1] == m.tool_name), unanswered[0] if unanswered else None)
             if match is not None:
                 unanswered.remove(match)
             message["tool_call_id"] = match[0] if match else _call_id(tool_format, i, 0)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import ollama
 import openai
 
 from kestrel_core.model.async_engine import AsyncEngine
@@ -148,6 +149,21 @@ class Scripted(AsyncEngine):
             last = k == len(pieces) - 1
             yield RequestOutput(request_id or "r", [1], piece, None, last, "stop" if last else None,
                                 len(prompt_ids), k + 1)
+
+
+@contextmanager
+def scripted_ollama(engine: Any, name: str,
+                    template: str) -> Iterator[tuple[Scripted, ollama.Client, KestrelServer]]:
+    """A server of scripted answers over ``engine``, served as ``name`` with ``template`` as its chat template, the
+    official ``ollama`` client of it and the server."""
+    before = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = template
+    try:
+        front = Scripted(engine)
+        with running_server(front, name) as s:
+            yield front, ollama.Client(host=s.url), s
+    finally:
+        engine.tokenizer.chat_template = before
 
 
 class Spoken(AsyncEngine):

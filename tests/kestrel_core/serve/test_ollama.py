@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from kestrel_core.serve.server import KestrelServer
 
 from ..model.test_fim import fim_engine
 from ..waits import wait_until
-from .helpers import Scripted, http, openai_client, running_server
+from .helpers import Scripted, http, openai_client, running_server, scripted_ollama
 from .tool_calls import HARMONY_CALL, HARMONY_TEMPLATE, PARIS, THINKING_TEMPLATE, WEATHER
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
@@ -195,7 +194,7 @@ def test_a_cut_conversation_opens_where_the_template_lets_it(engine: Any) -> Non
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris " * 300},
                 {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Rome?"},
                 {"role": "assistant", "content": "Rainy."}, {"role": "user", "content": "And now?"}]
-    with _scripted_server(engine, ALTERNATING_TEMPLATE) as (front, ol):
+    with scripted_ollama(engine, NAME, ALTERNATING_TEMPLATE) as (front, ol, _):
         front.answers.append("Still rainy.")
         assert ol.chat(model="tiny", messages=messages).message.content == "Still rainy."
         assert front.prompts[-1] == "[system]Be brief.[user]And Rome?[assistant]Rainy.[user]And now?[assistant]"
@@ -424,7 +423,7 @@ MISTRAL_TEMPLATE = (
 def test_results_answer_their_calls_with_ids_the_template_takes(engine: Any, template: str) -> None:
     """Ollama's calls carry no ids: each gets one in the template's shape, the same each time the conversation
     is sent, and a result the id of the call of its ``tool_name`` (else the next unanswered one)."""
-    with _scripted_server(engine, template) as (front, ol):
+    with scripted_ollama(engine, NAME, template) as (front, ol, _):
         calls = [{"function": {"name": name, "arguments": {"city": "Paris"}}} for name in ("weather", "time")]
         history = [{"role": "user", "content": "Weather and time in Paris?"},
                    {"role": "assistant", "content": "", "tool_calls": calls},
@@ -440,24 +439,11 @@ def test_results_answer_their_calls_with_ids_the_template_takes(engine: Any, tem
     assert f"[TOOL_RESULTS]{ids['time']}:12:00" in first and f"[TOOL_RESULTS]{ids['weather']}:sunny" in first
 
 
-@contextmanager
-def _scripted_server(engine: Any, template: str) -> Iterator[tuple[Scripted, ollama.Client]]:
-    """A server of scripted answers over ``engine`` with ``template`` as its chat template, and its client."""
-    before = engine.tokenizer.chat_template
-    engine.tokenizer.chat_template = template
-    try:
-        front = Scripted(engine)
-        with running_server(front, NAME) as s:
-            yield front, ollama.Client(host=s.url)
-    finally:
-        engine.tokenizer.chat_template = before
-
-
 def test_think_levels_reach_the_template_as_its_reasoning_effort(engine: Any) -> None:
     """Every level Ollama takes, max among them, turns thinking on and reaches the template as reasoning_effort,
     on /api/chat and /api/generate; another level is a 400, as Ollama answers it."""
     template = THINKING_TEMPLATE + "{%- if reasoning_effort is defined %}[effort {{ reasoning_effort }}]{%- endif %}"
-    with _scripted_server(engine, template) as (front, ol):
+    with scripted_ollama(engine, NAME, template) as (front, ol, _):
         for level in ("low", "medium", "high", "max"):
             front.answers += ["Paris.", "Paris."]
             ol.chat(model="tiny", messages=[{"role": "user", "content": "Capital of France?"}], think=level)
@@ -472,7 +458,7 @@ def test_think_levels_reach_the_template_as_its_reasoning_effort(engine: Any) ->
 def test_gpt_oss_thinks_at_the_level_asked_and_answers_in_ollamas_shape(engine: Any) -> None:
     """A harmony model (gpt-oss): ``think`` as a level is its reasoning effort; its analysis channel comes back as
     ``thinking``, its final channel as the content, a message to functions.NAME as a call."""
-    with _scripted_server(engine, HARMONY_TEMPLATE) as (front, ol):
+    with scripted_ollama(engine, NAME, HARMONY_TEMPLATE) as (front, ol, _):
         assert ol.show("tiny").capabilities == ["completion", "tools", "thinking"]
         front.answers.append("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
                              "<|message|>Paris.<|return|>")

@@ -5,13 +5,13 @@ send (ids of earlier calls, ``raw`` with ``system``, ``format`` with ``raw``).""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
-
-import pytest
 
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import http
+from .helpers import http, scripted_ollama
+from .tool_calls import PARIS, TIME, WEATHER, _call
 
 NAME = "tiny"
 
@@ -27,3 +27,37 @@ def test_the_heartbeat_is_ollamas(server: KestrelServer) -> None:
         assert (status, body) == (200, b"")
         status, _, body = http("GET", f"{server.url}{path}")
         assert status == 200 and json.loads(body)
+
+
+# renders each call's id and each result's tool_call_id (written for this test; the comment makes its calls Hermes')
+IDS_TEMPLATE = (
+    "{# <tool_call> #}{% if tools %}[tools]{% endif %}{% for m in messages %}{% if m.tool_calls %}"
+    "{% for c in m.tool_calls %}[call {{ c.id }} {{ c.function.name }}]{% endfor %}{% elif m.role == 'tool' %}"
+    "[result {{ m.tool_call_id }} {{ m.content }}]{% else %}[{{ m.role }}]{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}")
+TWO_CALLS = PARIS + "\n" + _call("get_time", {})
+
+
+def test_tool_calls_carry_ids_that_results_name(engine: Any) -> None:
+    """As Ollama's answers: each call has an id and its place among the answer's calls (``function.index``), whole
+    and streamed; sent back, a result's ``tool_call_id`` names the call it answers, whatever the order."""
+    with scripted_ollama(engine, NAME, IDS_TEMPLATE) as (front, _, server):
+        url = server.url
+        ask = {"model": NAME, "messages": [{"role": "user", "content": "Weather and time?"}], "tools": [WEATHER, TIME]}
+        front.answers += [TWO_CALLS, TWO_CALLS]
+        status, _, raw = http("POST", f"{url}/api/chat", {**ask, "stream": False})
+        calls = json.loads(raw)["message"]["tool_calls"]
+        lines = [json.loads(line) for line in http("POST", f"{url}/api/chat", ask)[2].splitlines()]
+        streamed = [c for line in lines for c in line["message"].get("tool_calls", ())]
+        for got in (calls, streamed):
+            assert [(c["function"]["index"], c["function"]["name"]) for c in got] == [(0, "get_weather"),
+                                                                                      (1, "get_time")]
+            assert all(isinstance(c["id"], str) and c["id"] for c in got) and len({c["id"] for c in got}) == 2
+        front.answers.append("Sunny at noon.")
+        history = ask["messages"] + [{"role": "assistant", "content": "", "tool_calls": calls},
+                                     {"role": "tool", "content": "12:00", "tool_call_id": calls[1]["id"]},
+                                     {"role": "tool", "content": "sunny", "tool_call_id": calls[0]["id"]}]
+        status, _, raw = http("POST", f"{url}/api/chat", {**ask, "messages": history, "stream": False})
+        assert status == 200 and json.loads(raw)["message"]["content"] == "Sunny at noon."
+        called = dict(pair.split()[::-1] for pair in re.findall(r"\[call (\S+ \S+)\]", front.prompts[-1]))
+        assert f"[result {called['get_time']} 12:00][result {called['get_weather']} sunny]" in front.prompts[-1]
