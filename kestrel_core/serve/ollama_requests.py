@@ -185,9 +185,13 @@ class ChatBody(GenerationBody):
     def openai(self, served: Served) -> dict[str, Any]:
         """The OpenAI chat request to ``served``: its recommended sampling, the tool format its template takes
         (which the ids of earlier calls must suit) and whether the template is gpt-oss's."""
+        if self.tools and served.tool_format is None:  # Ollama's words, which clients match to chat without tools
+            raise APIError(400, f"{served.model_name} does not support tools", param="tools")
         messages = _openai_messages(self.messages, served.tool_format)
         recommended = served.engine.sampling_defaults
-        return {"messages": messages, "tools": self.tools, "response_format": self.response_format(),
+        # Ollama's tools are functions whatever their ``type`` says (clients leave it out)
+        tools = [{**tool, "type": "function"} for tool in self.tools] if self.tools else None
+        return {"messages": messages, "tools": tools, "response_format": self.response_format(),
                 "chat_template_kwargs": self.template_kwargs(served.harmony), **self.chat_logprobs(),
                 **self.sampling(self.stream, recommended)}
 

@@ -11,9 +11,10 @@ from typing import Any
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import http, scripted_ollama
-from .tool_calls import PARIS, TIME, WEATHER, _call
+from .tool_calls import PARIS, THINKING_TEMPLATE, TIME, WEATHER, _call
 
 NAME = "tiny"
+HI = [{"role": "user", "content": "Hi"}]
 
 
 def test_the_heartbeat_is_ollamas(server: KestrelServer) -> None:
@@ -61,3 +62,15 @@ def test_tool_calls_carry_ids_that_results_name(engine: Any) -> None:
         assert status == 200 and json.loads(raw)["message"]["content"] == "Sunny at noon."
         called = dict(pair.split()[::-1] for pair in re.findall(r"\[call (\S+ \S+)\]", front.prompts[-1]))
         assert f"[result {called['get_time']} 12:00][result {called['get_weather']} sunny]" in front.prompts[-1]
+
+
+def test_tools_are_read_as_ollama_reads_them(engine: Any, server: KestrelServer) -> None:
+    """A tool without a ``type`` is a function, as Ollama's tools are; tools offered to a model whose template has
+    none are a 400 in Ollama's words, which clients match to ask again without them."""
+    untyped = {"function": WEATHER["function"]}
+    status, _, raw = http("POST", f"{server.url}/api/chat", {"model": NAME, "messages": HI, "tools": [untyped]})
+    assert status == 400 and json.loads(raw)["error"].endswith("does not support tools")
+    with scripted_ollama(engine, NAME, THINKING_TEMPLATE) as (front, ol, _):
+        front.answers.append(PARIS)
+        (call,) = ol.chat(model=NAME, messages=HI, tools=[untyped], think=False).message.tool_calls
+        assert (call.function.name, call.function.arguments) == ("get_weather", {"city": "Paris"})
