@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import replace
 from typing import Annotated, Any
@@ -126,11 +126,12 @@ class Served:
             raise from_kestrel_error(exc, accepting=self.async_engine.accepting, param="prompt") from None
         return [Echo(text, one[0], s) for text, one, s in zip(echoed, ids, scored)]
 
-    def chat_prompt(self, body: ChatCompletionRequest,
-                    truncate: bool = False) -> tuple[str, list[int], ToolCalls | None]:
+    def chat_prompt(self, body: ChatCompletionRequest, truncate: bool = False,
+                    prefix: Sequence[int] = ()) -> tuple[str, list[int], ToolCalls | None]:
         """A chat request's prompt: its text and token ids, and how its answers carry tool calls; with
         ``truncate``, a conversation that leaves no room for an answer is cut to its latest messages that do
-        (``_latest_that_fit``)."""
+        (``_latest_that_fit``); the ids follow ``prefix`` (Ollama's ``context``: the ids of an earlier prompt and
+        its answer), the rendered prompt's own BOS left out after it."""
         self.check_request(body.priority)
         try:  # each of these names its field
             tools = body.tool_calls(self.tool_format)
@@ -159,6 +160,9 @@ class Served:
                 prompt, prompt_ids = _latest_that_fit(messages, render, lambda ids: self.context_left(len(ids)) > 0)
         except KestrelError as exc:  # no messages, no template, or a template that failed on these
             raise from_kestrel_error(exc, param="messages") from None
+        if prefix:
+            bos = self.engine.config.bos_token_id
+            prompt_ids = [*prefix, *prompt_ids[1 if bos is not None and prompt_ids[:1] == [bos] else 0:]]
         return prompt, prompt_ids, tools
 
     def chat_params(self, body: ChatCompletionRequest, prompt_ids: list[int], tools: ToolCalls | None) -> Any:
@@ -183,11 +187,11 @@ class Served:
             raise from_kestrel_error(exc) from None
 
     async def chat(self, body: ChatCompletionRequest, request: Request, truncate: bool = False,
-                   by_parts: bool = False) -> Response:
-        """``/v1/chat/completions``' answer (whole, or the stream's response); ``truncate``: ``chat_prompt``'s;
-        ``by_parts``: ChatShape's (the answer's parts, for the Responses API)."""
+                   by_parts: bool = False, prefix: Sequence[int] = ()) -> Response:
+        """``/v1/chat/completions``' answer (whole, or the stream's response); ``truncate`` and ``prefix``:
+        ``chat_prompt``'s; ``by_parts``: ChatShape's (the answer's parts, for the Responses API)."""
         def prepare() -> tuple[str, list[int], ToolCalls | None, Any]:
-            prompt, prompt_ids, tools = self.chat_prompt(body, truncate)
+            prompt, prompt_ids, tools = self.chat_prompt(body, truncate, prefix)
             return prompt, prompt_ids, tools, self.chat_params(body, prompt_ids, tools)
 
         prompt, prompt_ids, tools, params = await asyncio.to_thread(prepare)  # off the event loop

@@ -3,8 +3,8 @@
 Each generation route translates its request into the OpenAI request kestrel already answers (``/api/chat`` into
 a chat completion, cut to its latest messages where the conversation is past the context unless ``truncate`` is
 false, as Ollama cuts it; ``/api/generate`` into a chat completion of one user turn, or a plain completion when
-``raw``, when the model has no chat template or with a ``suffix``; ``/api/embed`` into embeddings, of unit length
-as Ollama's) and that answer back into Ollama's shape: one JSON object, or newline-delimited JSON objects when
+``raw``, when the model has no chat template or with a ``suffix``, after the ids of an earlier answer's
+``context``; ``/api/embed`` into embeddings, of unit length as Ollama's) and that answer back into Ollama's shape: one JSON object, or newline-delimited JSON objects when
 streamed (Ollama streams unless ``stream`` is false), the last with ``done: true``, the reason and the counts and
 durations (nanoseconds); a plain completion is answered in a chat completion's shape, whose logprobs
 (``logprobs``, ``top_logprobs``) are Ollama's. Errors are ``{"error": message}`` with the same statuses. A model
@@ -20,10 +20,11 @@ covers the prompt and the answer (Hugging Face's and vLLM's repetition penalty),
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -32,11 +33,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import kestrel_core
+from kestrel_core.errors import KestrelError
 from kestrel_core.model.embed import finish_vector
 from kestrel_core.model.fim import fim_format
 from kestrel_core.model.quantize import model_quant
 from kestrel_core.serve.access import record_of
-from kestrel_core.serve.errors import APIError, named_as, validated
+from kestrel_core.serve.errors import APIError, from_kestrel_error, named_as, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.offload import json_answer, json_body, json_loads, off_loop
 from kestrel_core.serve.ollama_requests import (
@@ -69,12 +71,16 @@ def _now() -> str:
 
 
 class _Answer:
-    """One answer's Ollama objects: the model and creation time, and the counts and durations of the last."""
+    """One answer's Ollama objects: the model and creation time, and the counts and durations of the last, with
+    ``context`` where ``context`` is given (``/api/generate``'s: the token ids of the prompt and of the answer's
+    text, which it is given; called off the event loop)."""
 
-    def __init__(self, served: Served, request: Request, key: str) -> None:
+    def __init__(self, served: Served, request: Request, key: str,
+                 context: Callable[[str], list[int]] | None = None) -> None:
         self.model = ollama_name(served)
         self.key = key  # "message" (chat) or "response" (generate)
         self.record = record_of(request)  # its start and its first token's time
+        self.context = context
 
     def part(self, content: str = "", thinking: str = "", tool_calls: list[dict[str, Any]] | None = None,
              logprobs: list[dict[str, Any]] | None = None, done: bool = False) -> dict[str, Any]:
@@ -95,12 +101,15 @@ class _Answer:
             body["logprobs"] = logprobs
         return body
 
-    def last(self, finish_reason: str | None, usage: dict[str, int], **fields: Any) -> dict[str, Any]:
+    def last(self, finish_reason: str | None, usage: dict[str, int], context: list[int] | None = None,
+             **fields: Any) -> dict[str, Any]:
         end = time.perf_counter()
         start, first = self.record.start, self.record.first_token_at or end
         body = self.part(**fields, done=True)
-        body.update(done_reason=DONE_REASONS.get(finish_reason or "stop", "stop"),
-                    total_duration=_ns(end - start), load_duration=0,
+        body["done_reason"] = DONE_REASONS.get(finish_reason or "stop", "stop")
+        if context is not None:
+            body["context"] = context
+        body.update(total_duration=_ns(end - start), load_duration=0,
                     prompt_eval_count=usage.get("prompt_tokens", 0), prompt_eval_duration=_ns(first - start),
                     eval_count=usage.get("completion_tokens", 0), eval_duration=_ns(end - first))
         return body
@@ -136,7 +145,9 @@ def _whole(answer: _Answer, body: dict[str, Any]) -> dict[str, Any]:
     """A whole OpenAI chat answer as Ollama's one object."""
     choice = body["choices"][0]
     message = choice["message"]
-    return answer.last(choice.get("finish_reason"), body.get("usage") or {}, content=message.get("content") or "",
+    content = message.get("content") or ""
+    context = answer.context(content) if answer.context is not None else None  # on a worker thread: json_answer's
+    return answer.last(choice.get("finish_reason"), body.get("usage") or {}, context, content=content,
                        thinking=message.get("reasoning_content") or "",
                        tool_calls=_ollama_calls(message.get("tool_calls")),
                        logprobs=_ollama_logprobs(choice.get("logprobs")))
@@ -147,18 +158,21 @@ async def _lines(answer: _Answer, chunks: AsyncIterator[dict[str, Any]]) -> Asyn
     last with the counts."""
     finish: str | None = None
     calls: list[dict[str, Any]] = []
+    said: list[str] = []
     async for chunk in chunks:
         if "error" in chunk:
             yield _line({"error": chunk["error"].get("message", "error")})
             return
         if not chunk.get("choices"):  # the usage: the answer is complete
-            yield _line(answer.last(finish, chunk.get("usage") or {}, tool_calls=_ollama_calls(calls)))
+            context = None if answer.context is None else await asyncio.to_thread(answer.context, "".join(said))
+            yield _line(answer.last(finish, chunk.get("usage") or {}, context, tool_calls=_ollama_calls(calls)))
             return
         choice = chunk["choices"][0]
         finish = choice.get("finish_reason") or finish
         delta = choice.get("delta") or {}
         calls.extend(delta.get("tool_calls") or ())
         text, thinking = delta.get("content") or "", delta.get("reasoning_content") or ""
+        said.append(text)
         logprobs = _ollama_logprobs(choice.get("logprobs"))
         if text or thinking or logprobs:
             yield _line(answer.part(text, thinking, logprobs=logprobs))
@@ -202,6 +216,25 @@ def _is_zero_duration(keep_alive: Any) -> bool:
                GO_DURATION_PART.findall(keep_alive))
 
 
+def _context_ids(served: Served, context: list[int] | None) -> list[int]:
+    """``/api/generate``'s ``context``: token ids of the model's vocabulary (none: empty)."""
+    if not context:
+        return []
+    try:
+        return served.engine.check_ids(context, "context")
+    except KestrelError as exc:
+        raise from_kestrel_error(exc, param="context") from None
+
+
+def _structured(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A chat request's ``response_format`` as a plain completion's ``structured_outputs`` (vLLM's)."""
+    if response_format is None:
+        return None
+    if response_format["type"] == "json_object":
+        return {"json_object": True}
+    return {"json": response_format["json_schema"]["schema"]}
+
+
 def _unit_vector(vector: list[float], dimensions: int | None) -> list[float]:
     """A vector as Ollama's ``/api/embed`` answers it, whatever the model's own normalization: of unit length, cut
     to ``dimensions`` where that is between 0 and its size (Ollama scales it, cuts it and scales it again: the
@@ -235,16 +268,20 @@ def install(app: FastAPI, models: Models) -> None:
     async def generate(body: Annotated[GenerateBody, json_body(GenerateBody)], request: Request) -> Response:
         served = model_of(models, body.model)
         _check_think(body, served)
-        answer = _Answer(served, request, "response")
+        tokenizer = served.engine.tokenizer
         if body.images:
             raise APIError(400, "images are not supported (kestrel serves text models)", param="images")
+        if body.raw and (body.template or body.system or body.context):
+            raise APIError(400, "raw mode does not support template, system, or context", param="raw")
         suffix = body.suffix or None  # "": none, as Ollama reads it
         if not body.prompt and suffix is None:
-            return _loaded(answer, body.keep_alive)
+            return _loaded(_Answer(served, request, "response"), body.keep_alive)
+        if body.template and body.template != tokenizer.chat_template:  # the one /api/show gives is the model's
+            raise APIError(400, "template is not supported: kestrel renders the model's own chat template (the one "
+                           "/api/show gives); send the prompt in another template's format with raw", param="template")
+        context = _context_ids(served, body.context)
         sampling = body.sampling(body.stream, served.engine.sampling_defaults)
-        templated = not body.raw and suffix is None and served.engine.tokenizer.chat_template
-        if not templated and body.response_format() is not None:
-            raise APIError(400, "format needs the model's chat template (not raw, no suffix)", param="format")
+        templated = not body.raw and suffix is None and tokenizer.chat_template
         with named_as(REQUEST_NAMES):
             if templated:
                 messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
@@ -252,13 +289,26 @@ def install(app: FastAPI, models: Models) -> None:
                 openai = await off_loop(request, lambda: validated(ChatCompletionRequest, {
                     "messages": messages, "response_format": body.response_format(),
                     "chat_template_kwargs": body.template_kwargs(served.harmony), **body.chat_logprobs(), **sampling}))
-                response = await served.chat(openai, request)
-            else:
+                response = await served.chat(openai, request, prefix=context)
+
+                def prompt_ids() -> list[int]:
+                    return served.chat_prompt(openai, prefix=context)[1]
+            else:  # Ollama's runner reads the context's text before the prompt
+                prompt = tokenizer.decode(context, skip_special_tokens=False) + body.prompt if context else body.prompt
                 completion = await off_loop(request, lambda: validated(CompletionRequest, {
-                    "prompt": body.prompt, "suffix": suffix, "logprobs": body.top_logprobs if body.logprobs else None,
-                    **sampling}))
+                    "prompt": prompt, "suffix": suffix, "logprobs": body.top_logprobs if body.logprobs else None,
+                    "structured_outputs": _structured(body.response_format()), **sampling}))
                 response = await served.complete(completion, request, chat_shaped=True)
-        return await _translate(answer, response)
+
+                def prompt_ids() -> list[int]:
+                    return completion.prompt_ids(tokenizer, served.engine.eos_token_ids)[0][0]
+
+        def answered(text: str) -> list[int]:
+            """Ollama's ``context``: the prompt's ids and the answer's, which a next request's ``context`` follows
+            (the answer's reasoning left out, as chat templates leave an earlier turn's out)."""
+            return prompt_ids() + list(tokenizer.encode(text, add_special_tokens=False))
+
+        return await _translate(_Answer(served, request, "response", None if body.raw else answered), response)
 
     @app.post("/api/embed")
     async def embed(body: Annotated[EmbedBody, json_body(EmbedBody)], request: Request) -> Response:

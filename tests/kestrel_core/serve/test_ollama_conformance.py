@@ -8,6 +8,10 @@ import json
 import re
 from typing import Any
 
+import ollama
+import openai
+import pytest
+
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import http, scripted_ollama
@@ -15,6 +19,12 @@ from .tool_calls import PARIS, THINKING_TEMPLATE, TIME, WEATHER, _call
 
 NAME = "tiny"
 HI = [{"role": "user", "content": "Hi"}]
+GREEDY = {"temperature": 0, "num_predict": 12}
+
+
+@pytest.fixture(scope="module")
+def ol(server: KestrelServer) -> ollama.Client:
+    return ollama.Client(host=server.url)
 
 
 def test_the_heartbeat_is_ollamas(server: KestrelServer) -> None:
@@ -74,3 +84,64 @@ def test_tools_are_read_as_ollama_reads_them(engine: Any, server: KestrelServer)
         front.answers.append(PARIS)
         (call,) = ol.chat(model=NAME, messages=HI, tools=[untyped], think=False).message.tool_calls
         assert (call.function.name, call.function.arguments) == ("get_weather", {"city": "Paris"})
+
+
+def _tokenize(server: KestrelServer, **body: Any) -> list[int]:
+    """vLLM's /tokenize of ``body``: a chat prompt's ids (``messages``) or a text's (``prompt``)."""
+    return json.loads(http("POST", f"{server.url}/tokenize", {"model": NAME, **body})[2])["tokens"]
+
+
+def test_generate_answers_its_context_and_follows_one(ol: ollama.Client, client: openai.OpenAI,
+                                                      server: KestrelServer) -> None:
+    """As Ollama's: a templated answer's ``context`` is the ids of its prompt and of its text, whole and streamed;
+    a request's ``context`` comes before its prompt, so the model reads the earlier exchange; a raw answer has
+    none, and a raw request with ``context``, ``system`` or ``template`` is a 400 in Ollama's words."""
+    first = ol.generate(model=NAME, prompt="Hi", options=GREEDY)
+    rendered = _tokenize(server, messages=HI)
+    assert first.context == rendered + _tokenize(server, prompt=first.response, add_special_tokens=False)
+    parts = list(ol.generate(model=NAME, prompt="Hi", options=GREEDY, stream=True))
+    assert parts[-1].context == first.context and all(p.context is None for p in parts[:-1])
+    second = ol.generate(model=NAME, prompt="Hi", options=GREEDY, context=first.context)
+    want = client.completions.create(model=NAME, prompt=first.context + rendered, temperature=0, max_tokens=12)
+    assert second.response == want.choices[0].text and second.prompt_eval_count == want.usage.prompt_tokens
+    assert second.context[:len(first.context) + len(rendered)] == first.context + rendered
+    assert ol.generate(model=NAME, prompt="The sea", raw=True, options=GREEDY).context is None
+    for field in ({"context": first.context}, {"system": "Be brief."}, {"template": "{{ .Prompt }}"}):
+        status, _, raw = http("POST", f"{server.url}/api/generate",
+                              {"model": NAME, "prompt": "Hi", "raw": True, "stream": False, **field})
+        assert (status, json.loads(raw)) == (400, {"error": "raw mode does not support template, system, or context"})
+
+
+# a template that opens with the BOS (written for this test; tiny-qwen3's BOS is <|endoftext|>)
+BOS_TEMPLATE = "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]"
+
+
+def test_a_context_is_followed_by_the_prompt_without_its_bos(engine: Any) -> None:
+    """The earlier prompt's BOS opens the context; the next prompt's own is left out after it, as Ollama's runner
+    adds one BOS to the whole."""
+    with scripted_ollama(engine, NAME, BOS_TEMPLATE) as (front, ol, _):
+        front.answers += ["Hello.", "Bye."]
+        first = ol.generate(model=NAME, prompt="Hi")
+        assert front.prompts[-1] == "<|endoftext|>[user]Hi[assistant]"
+        ol.generate(model=NAME, prompt="Go", context=first.context)
+        assert front.prompts[-1] == "<|endoftext|>[user]Hi[assistant]Hello.[user]Go[assistant]"
+
+
+def test_a_template_other_than_the_models_is_refused(ol: ollama.Client, engine: Any) -> None:
+    """kestrel renders the model's own chat template, which a client may send back from /api/show; another (Ollama's
+    Go templates) is a 400 rather than a prompt written in a format the client did not ask for."""
+    own = ol.generate(model=NAME, prompt="Hi", options=GREEDY, template=engine.tokenizer.chat_template)
+    assert own.response == ol.generate(model=NAME, prompt="Hi", options=GREEDY).response
+    with pytest.raises(ollama.ResponseError, match="template is not supported") as info:
+        ol.generate(model=NAME, prompt="Hi", template="{{ .System }} {{ .Prompt }}")
+    assert info.value.status_code == 400
+
+
+def test_a_format_shapes_a_raw_answer_too(ol: ollama.Client) -> None:
+    """Ollama's format is a grammar on any generation, a raw prompt's included."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    for fmt in ("json", schema):
+        got = ol.generate(model=NAME, prompt="The sea", raw=True, format=fmt, options={"num_predict": 40, "seed": 3})
+        assert got.done_reason == "stop" and isinstance(json.loads(got.response), dict)
+    assert set(json.loads(got.response)) == {"ok"}
