@@ -4,11 +4,12 @@ Each generation route translates its request into the OpenAI request kestrel alr
 a chat completion, cut to its latest messages where the conversation is past the context unless ``truncate`` is
 false, as Ollama cuts it; ``/api/generate`` into a chat completion of one user turn, or a plain completion when
 ``raw``, when the model has no chat template or with a ``suffix``, after the ids of an earlier answer's
-``context``; ``/api/embed`` into embeddings, of unit length as Ollama's) and that answer back into Ollama's shape: one JSON object, or newline-delimited JSON objects when
-streamed (Ollama streams unless ``stream`` is false), the last with ``done: true``, the reason and the counts and
-durations (nanoseconds); a plain completion is answered in a chat completion's shape, whose logprobs
-(``logprobs``, ``top_logprobs``) are Ollama's. Errors are ``{"error": message}`` with the same statuses. A model
-is named as served, with or without the ``:latest`` tag, in any case where that names one model only; the
+``context``; ``/api/embed`` into embeddings, of unit length as Ollama's) and that answer back into Ollama's shape:
+one JSON object, or newline-delimited JSON objects when streamed (Ollama streams unless ``stream`` is false), the
+last with ``done: true``, the reason and the counts and durations (nanoseconds); a plain completion is answered in
+a chat completion's shape, whose logprobs (``logprobs``, ``top_logprobs``) are Ollama's. Errors are
+``{"error": message}`` with the same statuses. A model is named as served, with or without the ``:latest`` tag, in
+any case where that names one model only, and answers name it as the request does; the
 requests are read as Ollama's Go server reads them (serve/ollama_requests.py); options Ollama has and kestrel does
 not (``num_ctx``, ``repeat_last_n``...) are ignored, as Ollama ignores options a model does not use. An option not
 given takes the sampling the model recommends (as a Modelfile's parameters; ``/api/show`` lists them), else Ollama's
@@ -71,13 +72,14 @@ def _now() -> str:
 
 
 class _Answer:
-    """One answer's Ollama objects: the model and creation time, and the counts and durations of the last, with
-    ``context`` where ``context`` is given (``/api/generate``'s: the token ids of the prompt and of the answer's
-    text, which it is given; called off the event loop)."""
+    """One answer's Ollama objects: the model as the request names it (Ollama's answers repeat the request's name)
+    and the creation time, and the counts and durations of the last, with ``context`` where ``context`` is given
+    (``/api/generate``'s: the token ids of the prompt and of the answer's text, which it is given; called off the
+    event loop)."""
 
-    def __init__(self, served: Served, request: Request, key: str,
+    def __init__(self, model: str, request: Request, key: str,
                  context: Callable[[str], list[int]] | None = None) -> None:
-        self.model = ollama_name(served)
+        self.model = model
         self.key = key  # "message" (chat) or "response" (generate)
         self.record = record_of(request)  # its start and its first token's time
         self.context = context
@@ -258,11 +260,11 @@ def install(app: FastAPI, models: Models) -> None:
         served = model_of(models, model_required(body.model))
         _check_think(body, served)
         if not body.messages:  # a client loading (or unloading) the model: it stays loaded while serving
-            return _loaded(_Answer(served, request, "message"), body.keep_alive)
+            return _loaded(_Answer(body.model, request, "message"), body.keep_alive)
         with named_as(REQUEST_NAMES):
             openai = await off_loop(request, lambda: validated(ChatCompletionRequest, body.openai(served)))
             response = await served.chat(openai, request, truncate=body.truncate)
-        return await _translate(_Answer(served, request, "message"), response)
+        return await _translate(_Answer(body.model, request, "message"), response)
 
     @app.post("/api/generate")
     async def generate(body: Annotated[GenerateBody, json_body(GenerateBody)], request: Request) -> Response:
@@ -275,7 +277,7 @@ def install(app: FastAPI, models: Models) -> None:
             raise APIError(400, "raw mode does not support template, system, or context", param="raw")
         suffix = body.suffix or None  # "": none, as Ollama reads it
         if not body.prompt and suffix is None:
-            return _loaded(_Answer(served, request, "response"), body.keep_alive)
+            return _loaded(_Answer(body.model, request, "response"), body.keep_alive)
         if body.template and body.template != tokenizer.chat_template:  # the one /api/show gives is the model's
             raise APIError(400, "template is not supported: kestrel renders the model's own chat template (the one "
                            "/api/show gives); send the prompt in another template's format with raw", param="template")
@@ -308,14 +310,14 @@ def install(app: FastAPI, models: Models) -> None:
             (the answer's reasoning left out, as chat templates leave an earlier turn's out)."""
             return prompt_ids() + list(tokenizer.encode(text, add_special_tokens=False))
 
-        return await _translate(_Answer(served, request, "response", None if body.raw else answered), response)
+        return await _translate(_Answer(body.model, request, "response", None if body.raw else answered), response)
 
     @app.post("/api/embed")
     async def embed(body: Annotated[EmbedBody, json_body(EmbedBody)], request: Request) -> Response:
         served = model_of(models, body.model)
         start = record_of(request).start
         if not body.input:
-            return JSONResponse({"model": ollama_name(served), "embeddings": []})
+            return JSONResponse({"model": body.model, "embeddings": []})
         openai = await off_loop(request, lambda: validated(EmbeddingRequest, {"input": body.input}))
         response = await served.embed(openai, request, truncate=body.truncate)
         if response.status_code != 200:
@@ -324,7 +326,7 @@ def install(app: FastAPI, models: Models) -> None:
         def answer() -> dict[str, Any]:
             data = json_loads(bytes(response.body))
             vectors = [_unit_vector(d["embedding"], body.dimensions) for d in data["data"]]
-            return {"model": ollama_name(served), "embeddings": vectors,
+            return {"model": body.model, "embeddings": vectors,
                     "total_duration": _ns(time.perf_counter() - start), "load_duration": 0,
                     "prompt_eval_count": data["usage"]["prompt_tokens"]}
 

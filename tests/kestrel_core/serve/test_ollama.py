@@ -106,7 +106,7 @@ def test_chat_is_the_openai_answer(ol: ollama.Client, client: openai.OpenAI) -> 
     assert got.message.role == "assistant" and got.message.content == want.choices[0].message.content
     assert (got.done, got.done_reason) == (True, "length")
     assert (got.prompt_eval_count, got.eval_count) == (want.usage.prompt_tokens, want.usage.completion_tokens)
-    assert got.total_duration >= got.prompt_eval_duration > 0 and got.model == "tiny:latest"
+    assert got.total_duration >= got.prompt_eval_duration > 0
 
 
 def test_a_chat_stream_is_its_answer_in_parts(ol: ollama.Client) -> None:

@@ -145,3 +145,14 @@ def test_a_format_shapes_a_raw_answer_too(ol: ollama.Client) -> None:
         got = ol.generate(model=NAME, prompt="The sea", raw=True, format=fmt, options={"num_predict": 40, "seed": 3})
         assert got.done_reason == "stop" and isinstance(json.loads(got.response), dict)
     assert set(json.loads(got.response)) == {"ok"}
+
+
+def test_answers_name_the_model_as_the_request_does(ol: ollama.Client) -> None:
+    """Ollama's answers repeat the request's ``model`` as sent, every streamed line and a load's answer too."""
+    for name in ("tiny", "TINY:latest"):
+        answers = [ol.chat(model=name, messages=HI, options=GREEDY), ol.generate(model=name, prompt="Hi",
+                                                                                 options=GREEDY),
+                   *ol.chat(model=name, messages=HI, options=GREEDY, stream=True),
+                   *ol.generate(model=name, prompt="Hi", options=GREEDY, stream=True),
+                   ol.generate(model=name, prompt=""), ol.chat(model=name, messages=[], keep_alive=0)]
+        assert {answer.model for answer in answers} == {name}
