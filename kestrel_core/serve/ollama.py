@@ -22,6 +22,7 @@ covers the prompt and the answer (Hugging Face's and vLLM's repetition penalty),
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import time
@@ -350,8 +351,13 @@ def install(app: FastAPI, models: Models) -> None:
 
     @app.get("/api/ps")
     async def ps() -> dict[str, Any]:
-        return {"models": [{**card(served), "expires_at": "2100-01-01T00:00:00Z", "size_vram": 0,
-                            "context_length": served.engine.config.max_position} for served in models]}
+        def running(served: Served) -> dict[str, Any]:
+            listed = card(served)  # a GPU holds the weights whole: Ollama's CLI shows "100% GPU"
+            vram = listed["size"] if served.engine.backend.kind == "gpu" else 0
+            return {**listed, "expires_at": "2100-01-01T00:00:00Z", "size_vram": vram,
+                    "context_length": served.engine.config.max_position}
+
+        return {"models": [running(served) for served in models]}
 
     @app.post("/api/show")
     async def show(body: Annotated[ShowBody, json_body(ShowBody)]) -> dict[str, Any]:
@@ -406,11 +412,17 @@ def _tensors(served: Served) -> list[Any]:
 
 
 def card(served: Served) -> dict[str, Any]:
-    """The model as ``/api/tags`` lists it."""
+    """The model as ``/api/tags`` lists it; its digest (Ollama's is its manifest's SHA-256, which clients shorten to
+    an id and key models by) is that of its name and source."""
     size = sum(w.nbytes for w in _tensors(served))
-    created = datetime.fromtimestamp(served.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"name": ollama_name(served), "model": ollama_name(served), "modified_at": created, "size": size,
-            "digest": "", "details": details(served)}
+    digest = hashlib.sha256(f"{served.model_name}\n{served.engine.source}".encode()).hexdigest()
+    return {"name": ollama_name(served), "model": ollama_name(served), "modified_at": _modified(served), "size": size,
+            "digest": digest, "details": details(served)}
+
+
+def _modified(served: Served) -> str:
+    """When the model was loaded, as Ollama's ``modified_at``."""
+    return datetime.fromtimestamp(served.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def show_model(served: Served) -> dict[str, Any]:
@@ -422,7 +434,8 @@ def show_model(served: Served) -> dict[str, Any]:
             f"{c.arch}.attention.head_count": c.num_heads, f"{c.arch}.attention.head_count_kv": c.num_kv_heads}
     parameters = "\n".join(f"{OLLAMA_NAMES.get(k, k)} {v:g}" for k, v in served.engine.sampling_defaults.items())
     return {"modelfile": "", "parameters": parameters, "template": served.engine.tokenizer.chat_template or "",
-            "details": details(served), "model_info": info, "capabilities": capabilities(served)}
+            "details": details(served), "model_info": info, "capabilities": capabilities(served),
+            "modified_at": _modified(served)}
 
 
 def capabilities(served: Served) -> list[str]:

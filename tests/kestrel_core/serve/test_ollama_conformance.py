@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
 import ollama
 import openai
 import pytest
 
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.serve.app import Models
+from kestrel_core.serve.ollama import card
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import http, scripted_ollama
@@ -156,3 +160,19 @@ def test_answers_name_the_model_as_the_request_does(ol: ollama.Client) -> None:
                    *ol.generate(model=name, prompt="Hi", options=GREEDY, stream=True),
                    ol.generate(model=name, prompt=""), ol.chat(model=name, messages=[], keep_alive=0)]
         assert {answer.model for answer in answers} == {name}
+
+
+def test_models_are_listed_with_ollamas_fields(ol: ollama.Client, engine: Any, async_engine: AsyncEngine,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """/api/tags and /api/ps give each model a digest of SHA-256's shape (clients key models by it and show its
+    first 12 characters as the id), /api/show its modified_at, and /api/ps the bytes a GPU holds as size_vram (the
+    whole model there, none on the CPU: Ollama's CLI says "100% GPU" or "100% CPU" from it)."""
+    (listed,) = ol.list().models
+    (running,) = ol.ps().models
+    assert re.fullmatch("[0-9a-f]{64}", listed.digest) and running.digest == listed.digest
+    other = Models({"tiny": async_engine, "other": async_engine})
+    assert len({card(served)["digest"] for served in other}) == 2
+    assert ol.show(NAME).modified_at == listed.modified_at is not None
+    assert running.size_vram == 0 and running.size == listed.size > 0
+    monkeypatch.setattr(engine.backend, "info", replace(engine.backend.info, kind="gpu"))
+    assert ol.ps().models[0].size_vram == listed.size
