@@ -184,14 +184,21 @@ class ChatBody(GenerationBody):
 
     def openai(self, served: Served) -> dict[str, Any]:
         """The OpenAI chat request to ``served``: its recommended sampling, the tool format its template takes
-        (which the ids of earlier calls must suit) and whether the template is gpt-oss's."""
+        (which the ids of earlier calls must suit) and whether the template is gpt-oss's. A last assistant message
+        of text is a prefill, which the answer continues, as Ollama's templates leave that turn open (a client's
+        "continue" sends the answer so far); an empty one is the turn the answer opens."""
         if self.tools and served.tool_format is None:  # Ollama's words, which clients match to chat without tools
             raise APIError(400, f"{served.model_name} does not support tools", param="tools")
         messages = _openai_messages(self.messages, served.tool_format)
+        last = messages[-1]
+        prefill = last["role"] == "assistant" and "tool_calls" not in last
+        if prefill and not last["content"] and len(messages) > 1:
+            messages.pop()
         recommended = served.engine.sampling_defaults
         # Ollama's tools are functions whatever their ``type`` says (clients leave it out)
         tools = [{**tool, "type": "function"} for tool in self.tools] if self.tools else None
         return {"messages": messages, "tools": tools, "response_format": self.response_format(),
+                "continue_final_message": prefill and bool(last["content"]) or None,
                 "chat_template_kwargs": self.template_kwargs(served.harmony), **self.chat_logprobs(),
                 **self.sampling(self.stream, recommended)}
 

@@ -176,3 +176,23 @@ def test_models_are_listed_with_ollamas_fields(ol: ollama.Client, engine: Any, a
     assert running.size_vram == 0 and running.size == listed.size > 0
     monkeypatch.setattr(engine.backend, "info", replace(engine.backend.info, kind="gpu"))
     assert ol.ps().models[0].size_vram == listed.size
+
+
+# each turn between tags, the answer's opened after the last (written for this test)
+TAGS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_last_assistant_message_is_continued(engine: Any) -> None:
+    """As Ollama's templates leave a last assistant turn open (a prefill, a client's "continue"): the answer goes
+    on from its text; an empty one is the turn the answer opens."""
+    with scripted_ollama(engine, NAME, TAGS_TEMPLATE) as (front, ol, _):
+        ask = {"role": "user", "content": "JSON, please."}
+        front.answers += [' "yes"}', ' "yes"}', "Hello."]
+        got = ol.chat(model=NAME, messages=[ask, {"role": "assistant", "content": '{"ok":'}])
+        assert got.message.content == ' "yes"}'
+        assert front.prompts[-1] == '<user>JSON, please.</user><assistant>{"ok":'
+        parts = list(ol.chat(model=NAME, messages=[ask, {"role": "assistant", "content": '{"ok":'}], stream=True))
+        assert "".join(p.message.content for p in parts) == ' "yes"}' and front.prompts[-1].endswith('{"ok":')
+        ol.chat(model=NAME, messages=[ask, {"role": "assistant", "content": ""}])
+        assert front.prompts[-1] == "<user>JSON, please.</user><assistant>"
