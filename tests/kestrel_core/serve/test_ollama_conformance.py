@@ -158,7 +158,8 @@ def test_answers_name_the_model_as_the_request_does(ol: ollama.Client) -> None:
                                                                                  options=GREEDY),
                    *ol.chat(model=name, messages=HI, options=GREEDY, stream=True),
                    *ol.generate(model=name, prompt="Hi", options=GREEDY, stream=True),
-                   ol.generate(model=name, prompt=""), ol.chat(model=name, messages=[], keep_alive=0)]
+                   ol.generate(model=name, prompt=""), ol.chat(model=name, messages=[], keep_alive=0),
+                   ol.embed(model=name, input="Hi"), ol.embed(model=name, input=[])]
         assert {answer.model for answer in answers} == {name}
 
 
