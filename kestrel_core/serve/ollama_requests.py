@@ -3,7 +3,8 @@ requests kestrel answers (serve/ollama.py has the routes and the answers).
 
 A field sent as null is one not sent; an integer option may come as an integral number; a sampling option not given
 takes the model's recommendation, else Ollama's default, and one past its sampler's range is read as Ollama's
-sampler reads it. Ollama's messages' tool calls have no ids: each gets one made from where it stands.
+sampler reads it. Each call in the messages gets an id made from where it stands, in the shape the template takes;
+a client's ids (Ollama's answers give them) say which call a result answers. A last assistant message is continued.
 """
 
 from __future__ import annotations
