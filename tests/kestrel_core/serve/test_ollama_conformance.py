@@ -165,8 +165,9 @@ def test_answers_name_the_model_as_the_request_does(ol: ollama.Client) -> None:
 
 def test_models_are_listed_with_ollamas_fields(ol: ollama.Client, engine: Any, async_engine: AsyncEngine,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """/api/tags and /api/ps give each model a digest of SHA-256's shape (clients key models by it and show its
-    first 12 characters as the id), /api/show its modified_at, and /api/ps the bytes a GPU holds as size_vram (the
+    """/api/tags and /api/ps give each model a digest of SHA-256's shape (clients key models by it; Ollama's CLI
+    shows its first 12 characters as the id, and `ollama ls` and `ollama ps` fail on a shorter one), /api/show its
+    modified_at, and /api/ps the bytes a GPU holds as size_vram (the
     whole model there, none on the CPU: Ollama's CLI says "100% GPU" or "100% CPU" from it)."""
     (listed,) = ol.list().models
     (running,) = ol.ps().models
