@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,18 @@ from kestrel_core.serve.server import KestrelServer
 from .helpers import openai_client, running_server
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+
+
+@pytest.fixture(autouse=True)
+def serve_logger_as_found() -> Iterator[None]:
+    """``kestrel serve`` run in the test process sets up the ``kestrel.serve`` logger (its own stderr handler, no
+    propagation): put it back after each test, so that the tests after it still see its records through caplog."""
+    logger = logging.getLogger("kestrel.serve")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    logger.propagate = propagate
 
 
 @pytest.fixture(scope="module")
