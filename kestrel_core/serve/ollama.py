@@ -345,7 +345,8 @@ def install(app: FastAPI, models: Models) -> None:
             return response
         return JSONResponse({"embedding": json.loads(bytes(response.body))["data"][0]["embedding"]})
 
-    @app.api_route("/api/tags", methods=["GET", "HEAD"])  # Ollama answers HEAD too: a health check's
+    @app.get("/api/tags")
+    @app.head("/api/tags", include_in_schema=False)  # Ollama answers HEAD too: a health check's
     async def tags() -> dict[str, Any]:
         return {"models": [card(served) for served in models]}
 
@@ -363,7 +364,8 @@ def install(app: FastAPI, models: Models) -> None:
     async def show(body: Annotated[ShowBody, json_body(ShowBody)]) -> dict[str, Any]:
         return show_model(model_of(models, model_required(body.model or body.name)))
 
-    @app.api_route("/api/version", methods=["GET", "HEAD"])
+    @app.get("/api/version")
+    @app.head("/api/version", include_in_schema=False)  # one operation (and id) a path in the OpenAPI document
     async def version() -> dict[str, str]:
         return {"version": OLLAMA_VERSION, "kestrel_version": kestrel_core.__version__}
 
