@@ -341,7 +341,13 @@ def chat(args: argparse.Namespace) -> int:
             if not line:
                 continue
             messages.append({"role": "user", "content": line})
-            ids, reader = _prompt(engine, messages, True, args)
+            try:
+                ids, reader = _prompt(engine, messages, True, args)
+            except KestrelError as exc:  # a template that refuses this conversation (roles must alternate...)
+                messages.pop()
+                err.print(f"error: {exc} (the message is dropped; /reset starts over)", soft_wrap=True)
+                refused = True
+                continue
             if len(ids) + 1 > engine.config.max_position:
                 messages.pop()
                 err.print(f"error: the conversation has {len(ids)} tokens; the model's context is "

@@ -14,6 +14,7 @@ import pytest
 from kestrel_core.cli import main
 from kestrel_core.model import engine as engine_mod
 from kestrel_core.model import presets
+from kestrel_core.model.chat_template import compile_chat_template, render_chat
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.engine_load import load_preset
 from kestrel_core.model.presets import ByteTokenizer
@@ -289,6 +290,34 @@ def test_chat_survives_a_turn_longer_than_the_context(capsys, monkeypatch) -> No
     assert code == 2 and out.count("\n") == 1  # the second message answered
     (line,) = [line for line in err.splitlines() if "context is 96" in line]
     assert line.startswith("error: the conversation has") and line.endswith("(/reset to start over)")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("stdin", "exit_code"), [(io.StringIO, 2), (_Terminal, 0)])
+def test_chat_survives_a_template_that_refuses_a_turn(stdin: type[io.StringIO], exit_code: int, capsys,
+                                                      monkeypatch) -> None:
+    """A template's raise_exception for one conversation (roles that must alternate, say) drops that message: the
+    conversation so far is kept and answers the next one. Read from a pipe, the session ends as failed."""
+    template = compile_chat_template(
+        "{% if messages[-1]['content'] == 'bad' %}{{ raise_exception('roles must alternate') }}{% endif %}"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
+
+    def render(self, messages, add_generation_prompt=True, **kwargs):  # type: ignore[no-untyped-def]
+        return render_chat(template, messages, add_generation_prompt)
+
+    monkeypatch.setattr(ByteTokenizer, "apply_chat_template", render)
+    prompts = _recorded_prompts(monkeypatch)
+    monkeypatch.setattr("sys.stdin", stdin("hi\nbad\nthere\n"))
+    code, out, err = _run(capsys, "chat", "--preset", "tiny", "-n", "2")
+    assert code == exit_code and len(prompts) == 2
+    (line,) = [line for line in err.splitlines() if "roles must alternate" in line]
+    assert line == "error: chat template failed: roles must alternate (the message is dropped; /reset starts over)"
+    reply = ByteTokenizer().decode(prompts[1]).removeprefix("<user>hi<assistant>").partition("<user>")[0]
+    assert ByteTokenizer().decode(prompts[1]) == f"<user>hi<assistant>{reply}<user>there<assistant>"
 
 
 def test_text_stream_holds_back_incomplete_characters() -> None:
