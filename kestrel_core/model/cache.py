@@ -259,10 +259,12 @@ def cache_entries() -> list[CacheEntry]:
             raise KestrelError(f"{directory}: cannot read the model cache ({exc.strerror or exc})") from None
         try:
             meta = read_meta(path)
-            sources, quant = meta.extra.get("sources") or (), meta.quant
+            sources, quant = meta.extra.get("sources") or [], meta.quant
+            if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+                raise KestrelError(f"{path}: its sources are not a list of paths")  # not what kestrel writes
         except (KestrelError, OSError):  # corrupt, truncated, not a file: a load rebuilds it
-            sources, quant = (), "?"
-        entries.append(CacheEntry(path, tuple(str(s) for s in sources), quant, st.st_size,
+            sources, quant = [], "?"
+        entries.append(CacheEntry(path, tuple(sources), quant, st.st_size,
                                   max(st.st_atime, st.st_mtime)))
     return sorted(entries, key=lambda e: -e.used)
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
 from kestrel_core.model.cache import MODEL_CACHE_ENV
+
+TINY_LLAMA = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-llama"
 
 
 @pytest.fixture
@@ -51,3 +54,21 @@ def test_an_entry_that_cannot_be_removed_is_one_line(home: Path, monkeypatch: py
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cannot remove the cache entry ") and err.endswith(": Read-only file system"), err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("sources", [5, True, "abc", [None], {"x": 1}])
+def test_an_entry_whose_recorded_sources_are_damaged_is_listed_and_pruned(home: Path, sources: object,
+                                                                          capsys) -> None:
+    """An entry whose metadata records its sources as no list of paths is an unreadable entry, as a corrupt one
+    is: listed with none, orphaned, and removed by --prune, not a TypeError that leaves it there for good."""
+    from kestrel_core.cli import main
+    from kestrel_core.model.loader import load_model, write_artifact
+
+    (home / "cache").mkdir(parents=True)
+    entry = home / "cache" / "hf-m.0123456789ab.k1.q8.v1.kestrel-0.1.0.kst"
+    write_artifact(load_model(TINY_LLAMA, quant="q8", cache="off"), entry, extra={"sources": sources},
+                   progress=lambda done, total: None)
+    assert main(["cache", "--json"]) == 0
+    (listed,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (listed["sources"], listed["quant"], listed["orphaned"]) == ([], "?", True)
+    assert main(["cache", "--prune"]) == 0 and not entry.exists()
