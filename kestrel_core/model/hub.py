@@ -241,12 +241,19 @@ def cached_models(cache_dir: str | None = None) -> list[CachedModel]:
     a safetensors snapshot, and each GGUF file of one; what it cannot load (datasets, pickle checkpoints) is
     left out."""
     _check_limits()
-    from huggingface_hub import scan_cache_dir
+    from huggingface_hub import constants, scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
 
+    where = cache_dir or constants.HF_HUB_CACHE
     try:
         info = scan_cache_dir(cache_dir)
-    except Exception:  # no cache directory (CacheNotFound) or one it cannot read
+    except CacheNotFound:  # nothing downloaded yet
         return []
+    except OSError as exc:  # a directory it may not read: not an empty cache
+        raise KestrelError(f"{exc.filename or where}: cannot read the Hugging Face cache "
+                           f"({exc.strerror or exc})") from None
+    except ValueError:  # huggingface_hub's answer to a file in the directory's place
+        raise KestrelError(f"{where}: cannot read the Hugging Face cache (Not a directory)") from None
     found = []
     for repo in info.repos:
         if repo.repo_type != "model":

@@ -445,6 +445,27 @@ def test_the_cache_lists_what_kestrel_can_load_by_the_name_it_takes(hub: FakeHub
     assert cached_models(str(tmp_path / "none")) == []
 
 
+def test_a_cache_that_cannot_be_read_is_an_error_naming_it_not_an_empty_one(hub: FakeHub, tmp_path: Path,
+                                                                          unprivileged: list[str]) -> None:
+    """`kestrel list` says the cache cannot be read (exit 2) where it is a file, or a directory this user may not
+    read, rather than "no local models"; a cache not made yet holds none."""
+    Hub(hub.url, str(tmp_path / "hf")).fetch(HubSpec("org/tiny"))
+    (tmp_path / "notes").write_text("my notes")
+    with pytest.raises(KestrelError, match=f"^{tmp_path / 'notes'}: cannot read the Hugging Face cache \\(Not a "
+                                           "directory\\)$"):
+        cached_models(str(tmp_path / "notes"))
+    (tmp_path / "hf").chmod(0)
+    try:
+        done = subprocess.run([*unprivileged, sys.executable, "-m", "kestrel_core.cli", "list"], capture_output=True,
+                              text=True, timeout=HANG_GUARD_S, env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf"),
+                                                                    "KESTREL_HOME": str(tmp_path / "k")})
+    finally:
+        (tmp_path / "hf").chmod(0o755)
+    assert (done.returncode, done.stdout) == (2, ""), done.stdout + done.stderr
+    assert done.stderr.strip() == f"error: {tmp_path / 'hf'}: cannot read the Hugging Face cache (Permission denied)"
+    assert [m.name for m in cached_models(str(tmp_path / "hf"))] == ["org/tiny"]
+
+
 def test_a_sharded_snapshot_without_all_its_shards_is_neither_listed_nor_loaded(hub: FakeHub, tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A download that failed after the index and the first shard (the Hub down for one file, asked again as
