@@ -2,19 +2,20 @@
 clients' streams while large request bodies come in.
 
     python benchmarks/serve_gc.py [--runs 2] [--streams 2] [--tokens 60] [--body prompts:1000000] [--model PATH]
+                                  [--modes unfrozen,frozen]
 
 Each run starts a real ``kestrel serve`` (the default model on the CPU, ``--port 0``) in a process of its own,
 alternately as it is (``frozen``: its startup heap frozen, server.frozen_heap) and with that freeze left out
-(``unfrozen``). Once it listens, one client process streams ``--streams`` greedy completions of ``--tokens`` tokens
-(serve_load.py's streams) while another posts one large body after another until they end: ``prompts:N``, a
-completions request of N one-token prompts (4 MB for a million; the server parses and validates it, millions of
-Python objects, then refuses it: at most 128 prompts), or ``messages:N``, a chat request of N short messages
-(3 MB for 100,000; refused once rendered and tokenized: longer than the model's context); ``none``: no such body.
-The server's process records each collection it runs (gc.callbacks: its start and end, the CPU time of the thread
-it ran in, its generation); the figures are the full collections from the streams' start to the end of the body
-that was running when they ended (their CPU times too: the wall times grow with whatever else the machine runs),
-the gaps between streamed chunks, and the objects the collector tracked once the models were loaded and warmed up
-and the app built.
+(``unfrozen``; ``--modes frozen``: the server as it is only). Once it listens, one client process streams
+``--streams`` greedy completions of ``--tokens`` tokens (serve_load.py's streams) while another posts one large body
+after another until they end: ``prompts:N``, a completions request of N one-token prompts (4 MB for a million; the
+server parses and validates it, millions of Python objects, then refuses it: at most 128 prompts), or
+``messages:N``, a chat request of N short messages (3 MB for 100,000; refused once rendered and tokenized: longer
+than the model's context); ``none``: no such body. The server's process records each collection it runs
+(gc.callbacks: its start and end, the CPU time of the thread it ran in, its generation); the figures are the full
+collections from the streams' start to the end of the body that was running when they ended (their CPU times too:
+the wall times grow with whatever else the machine runs), the gaps between streamed chunks, and the objects the
+collector tracked once the models were loaded and warmed up and the app built.
 """
 
 from __future__ import annotations
@@ -159,14 +160,18 @@ def main() -> int:
     p.add_argument("--streams", type=int, default=2)
     p.add_argument("--tokens", type=int, default=60)
     p.add_argument("--body", default="prompts:1000000", help="prompts:N, messages:N or none")
+    p.add_argument("--modes", default="unfrozen,frozen", help="the servers each run alternates between")
     p.add_argument("--json", default=None, help="write the figures here too")
     args = p.parse_args()
     _body(args.body)
+    modes = args.modes.split(",")
+    if not modes or set(modes) - {"unfrozen", "frozen"}:
+        raise SystemExit(f"--modes: unfrozen, frozen or both, not {args.modes!r}")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     out = []
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
-        for i in range(2 * args.runs):
-            fig = run(("unfrozen", "frozen")[i % 2], args, clients)
+        for i in range(len(modes) * args.runs):
+            fig = run(modes[i % len(modes)], args, clients)
             out.append(fig)
             per = max(fig["bodies"], 1)
             print(f"{fig['mode']:>8}: {fig['tracked']} objects tracked at startup ({fig['frozen']} frozen); "

@@ -1,11 +1,20 @@
 """The base of every API's request bodies: pydantic models that ignore unknown fields and take Unicode text only
-(serve/protocol.py has OpenAI's requests; the other APIs' modules theirs)."""
+(serve/protocol.py has OpenAI's requests; the other APIs' modules theirs), and ``Prompts``, the type of the
+prompts or inputs that OpenAI's completions and embeddings take."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    StrictInt,
+    StrictStr,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
 
 from kestrel_core.serve.errors import APIError, param_path
 
@@ -78,3 +87,30 @@ def _lone_surrogate(value: Any) -> tuple[int | str, ...] | None:
                 if isinstance(key, str):
                     stack.append((key, loc + (key,)))
     return None
+
+
+# items of a long list validated in one call of pydantic's (compiled code, which holds the GIL throughout): ~2 ms
+# of one-token prompts
+PROMPTS_STEP = 4096
+
+
+def _in_steps(value: Any, validate: ValidatorFunctionWrapHandler) -> Any:
+    """``value`` validated as the union ``Prompts`` is, a long list PROMPTS_STEP items at a time: on one call a
+    million one-token prompts hold the GIL, and so the server's event loop, for about a second (each of the
+    union's list members refusing each item is an error pydantic builds). The members take disjoint kinds of
+    item (integers, strings, lists), so the whole list is valid only where every piece is valid as the same
+    member; where two pieces are not, an item of each is a list that no member takes, refused as the whole
+    would be."""
+    if not isinstance(value, list) or len(value) <= PROMPTS_STEP:
+        return validate(value)
+    pieces = [validate(value[start:start + PROMPTS_STEP]) for start in range(0, len(value), PROMPTS_STEP)]
+    kinds = [type(piece[0]) for piece in pieces]
+    other = next((i for i, kind in enumerate(kinds) if kind is not kinds[0]), None)
+    if other is not None:
+        return validate([value[0], value[other * PROMPTS_STEP]])  # refused: no member takes both
+    return [item for piece in pieces for item in piece]
+
+
+# a text, token ids, or a list of either (OpenAI's completions' prompt, embeddings' input)
+Prompts = Annotated[StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]],
+                    WrapValidator(_in_steps)]

@@ -40,7 +40,7 @@ from kestrel_core.model.config import SAMPLING_FIELDS
 from kestrel_core.model.fim import fim_format, fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from kestrel_core.serve.bodies import RequestBody
+from kestrel_core.serve.bodies import Prompts, RequestBody
 from kestrel_core.serve.guided import GUIDED_FIELDS, REFUSED_FIELDS, guided_grammar
 from kestrel_core.serve.tool_grammar import forced_call_grammar
 from kestrel_core.serve.tools import UNKNOWN, ToolCalls
@@ -450,7 +450,7 @@ COMPLETIONS_MAX_TOKENS = 16  # /v1/completions' max_tokens when a request leaves
 
 
 class CompletionRequest(_Generation):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    prompt: Prompts
     logprobs: StrictInt | None = None  # 0..20 alternatives per token; 0 = the chosen token's only
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
@@ -508,7 +508,7 @@ class CompletionRequest(_Generation):
 class EmbeddingRequest(RequestBody):
     """``/v1/embeddings``: one input or a list, each text or token ids; the vectors as floats or base64."""
 
-    input: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    input: Prompts
     model: StrictStr | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
