@@ -10,6 +10,9 @@ same way; ``json_answer`` builds and writes an answer in a worker thread.
 Large bodies take turns on ``BODY_THREADS`` threads of their own: their work holds the GIL, so more threads would
 not finish it sooner, but would hold more parsed bodies (several times their bytes) at once, take more of the
 GIL from the loop, and, on the loop's default executor, queue the other requests' prompt rendering behind them.
+While one runs, the interpreter's switch interval is ``BODY_SWITCH_S`` instead of 5 ms: a thread that lets go of
+the GIL and wants it back (the engine's steps' thread, around each kernel or numba call; the loop, around each
+poll) otherwise waits up to the whole interval each time behind a thread that never lets go of it.
 
 A thread frees the loop only where the GIL changes hands: C code such as the JSON decoder and encoder holds it for
 a whole call, so a large document is read with a Python hook for each object and number and written in calls of
@@ -24,6 +27,8 @@ import asyncio
 import contextvars
 import email.message
 import json
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -46,7 +51,12 @@ Model = TypeVar("Model", bound=BaseModel)
 INLINE_BODY_BYTES = 16 * 1024
 JSON_STEP = 4096  # values one JSON encoder call writes: ~1 ms
 BODY_THREADS = 2
+# the longest gap between tokens of 2 streams beside bodies of a million prompts: 0.35-0.36 s against 1.9-2.1 s
+# at 5 ms and one call of pydantic's a body (docs/performance.md)
+BODY_SWITCH_S = 0.0005
 _BODIES = ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="kestrel-body")
+_switching = threading.Lock()
+_running = [0, 0.0]  # bodies being worked on, the switch interval before the first
 _ENCODE = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode  # JSONResponse's
 
 
@@ -74,7 +84,24 @@ async def off_loop(request: Request, work: Callable[[], T]) -> T:
     large, else at once."""
     if len(await request.body()) < INLINE_BODY_BYTES:
         return work()
-    return await asyncio.get_running_loop().run_in_executor(_BODIES, contextvars.copy_context().run, work)
+    return await asyncio.get_running_loop().run_in_executor(_BODIES, contextvars.copy_context().run,
+                                                            _short_switches, work)
+
+
+def _short_switches(work: Callable[[], T]) -> T:
+    """``work()`` with the switch interval at most BODY_SWITCH_S, until the last body being worked on is done."""
+    with _switching:
+        if not _running[0]:
+            _running[1] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_running[1], BODY_SWITCH_S))
+        _running[0] += 1
+    try:
+        return work()
+    finally:
+        with _switching:
+            _running[0] -= 1
+            if not _running[0]:
+                sys.setswitchinterval(_running[1])
 
 
 def _validated(model: type[Model], raw: bytes, content_type: str) -> Model:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import urllib.request
 import warnings
@@ -28,7 +29,7 @@ from kestrel_core.serve.protocol import ChatCompletionRequest
 from kestrel_core.serve.server import KestrelServer
 
 from ..waits import HANG_GUARD_S
-from .helpers import http, running_server
+from .helpers import http, openai_client, running_server
 
 NAME = "tiny"
 HI = [{"role": "user", "content": "Hi"}]
@@ -83,6 +84,37 @@ def test_a_large_body_does_not_hold_up_health(server: KestrelServer, monkeypatch
     monkeypatch.setattr(bodies, "_lone_surrogate", held)
     status, answer = health_while_held(server, "/v1/completions", raw, held)
     assert status == 400 and answer["error"]["param"] == "max_tokens", answer
+
+
+def test_large_bodies_take_turns_on_threads_of_their_own(server: KestrelServer,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four large bodies at once are read on at most BODY_THREADS threads of their own (not the loop's executor,
+    where the other requests' prompts are rendered), with short switches of the GIL meanwhile, the interval put
+    back after; a small body (the openai client's chat) is read on the loop's thread itself: no hand-off."""
+    read_on: list[tuple[str, float]] = []
+    validated = offload._validated
+
+    def recorded(model: Any, raw: bytes, content_type: str) -> Any:
+        read_on.append((threading.current_thread().name, sys.getswitchinterval()))
+        return validated(model, raw, content_type)
+
+    monkeypatch.setattr(offload, "_validated", recorded)
+    interval = sys.getswitchinterval()
+    raw = json.dumps({"model": NAME, "prompt": [[1]] * 5000, "max_tokens": 1}).encode()
+    assert len(raw) > INLINE_BODY_BYTES
+    posts = [threading.Thread(target=http, args=("POST", f"{server.url}/v1/completions"), kwargs={"raw": raw})
+             for _ in range(4)]
+    for post in posts:
+        post.start()
+    for post in posts:
+        post.join(HANG_GUARD_S)
+    large = read_on[:]
+    answer = openai_client(server).chat.completions.create(model=NAME, messages=HI, max_tokens=2)  # type: ignore
+    assert answer.choices[0].message.content is not None
+    assert len(large) == 4 and all(name.startswith("kestrel-body") for name, _ in large), large
+    assert len({name for name, _ in large}) <= offload.BODY_THREADS
+    assert {s for _, s in large} == {min(interval, offload.BODY_SWITCH_S)} and sys.getswitchinterval() == interval
+    assert read_on[4:] == [("kestrel-test-server", interval)]
 
 
 def test_a_long_detokenize_does_not_hold_up_health(server: KestrelServer, engine: Any,
