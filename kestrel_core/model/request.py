@@ -133,6 +133,11 @@ def checked_prompt(engine: Any, pool: Any, prompt_ids: Sequence[int], params: Sa
         if outside:
             raise InvalidRequest(f"{name} token id {outside[0]} is outside the vocabulary [0, {vocab})",
                                  param=name)
+    if params.min_tokens:  # every logit at -inf: sampling has no distribution to draw from
+        held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(engine.eos_token_ids))
+        if sum(t < vocab for t in held) >= vocab:
+            raise InvalidRequest("min_tokens holds back the stop_token_ids and the end of text, and they are the "
+                                 "whole vocabulary: no token is left to generate", param="min_tokens")
     if pool.blocks_for(len(prompt_ids)) > pool.num_blocks:
         raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds "
                              f"{pool.capacity}", param="prompt")

@@ -75,6 +75,24 @@ def test_stop_token_ids_and_min_tokens_reach_the_engine(client: openai.OpenAI, e
     assert complete(stop=[free.choices[0].text[:1]], min_tokens=4).choices[0].text[:1] == free.choices[0].text[:1]
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 1},
+                                      {"temperature": 0.8, "top_k": 3, "seed": 1}])
+def test_min_tokens_that_holds_back_the_whole_vocabulary_is_a_400(client: openai.OpenAI, engine: Any,
+                                                                  sampling: dict[str, Any]) -> None:
+    """Every logit at -inf leaves nothing to sample: such a request can never keep to min_tokens."""
+    every = list(range(engine.config.vocab_size))
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=NAME, prompt="The sea", max_tokens=8,
+                                  extra_body={"min_tokens": 2, "stop_token_ids": every, **sampling})
+    assert caught.value.body["param"] == "min_tokens"
+    # the end of text left free (with ignore_eos min_tokens holds back only the stop token ids): answered
+    for extra in ({"stop_token_ids": [t for t in every if t not in engine.eos_token_ids], "ignore_eos": True},
+                  {"stop_token_ids": every[1:], "ignore_eos": True}):
+        answer = client.completions.create(model=NAME, prompt="The sea", max_tokens=8,
+                                           extra_body={"min_tokens": 2, **extra, **sampling})
+        assert answer.usage.completion_tokens >= 1
+
+
 def test_completions_max_tokens_left_out_is_openais_16(client: openai.OpenAI, engine: Any) -> None:
     """OpenAI's and vLLM's default on the legacy route (chat's is what the context leaves); null asks for that."""
     def complete(**kw: Any) -> Any:
