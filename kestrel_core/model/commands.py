@@ -413,32 +413,36 @@ def _chat_message(interactive: bool) -> str | None:
         return "\n".join(lines).removesuffix('"""').strip()
 
 
-def _embed_texts(args: argparse.Namespace) -> list[str]:
-    """The texts ``embed`` takes: its arguments, else each line of stdin, split at newlines only (as ``wc -l``
-    counts them), so the Nth vector is the Nth line's. An empty text is refused by its place, as /v1/embeddings
-    refuses an empty input: its vector would be the special tokens' alone, and skipping it would shift the
-    vectors after it."""
-    texts, place = list(args.texts), "argument"
+def _embed_texts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The texts ``embed`` takes, and each one's place ("line 3 of stdin", "argument 2"): its arguments, else
+    each line of stdin, split at newlines only (as ``wc -l`` counts them), so the Nth vector is the Nth line's. An
+    empty text is refused by its place, as /v1/embeddings refuses an empty input: its vector would be the special
+    tokens' alone, and skipping it would shift the vectors after it."""
+    texts, place = list(args.texts), "argument {}"
     if not texts and not sys.stdin.isatty():
         text = read_text_stdin(sys.stdin)  # which ends every line in "\n", whatever the line ends it read
-        texts, place = (text.removesuffix("\n").split("\n") if text else []), "line"
+        texts, place = (text.removesuffix("\n").split("\n") if text else []), "line {} of stdin"
     if not texts:
         raise KestrelError("no text to embed (pass texts as arguments, or one a line on stdin)")
+    places = [place.format(i + 1) for i in range(len(texts))]
     empty = next((i for i, text in enumerate(texts) if not text), None)
     if empty is not None:
-        where = f"{place} {empty + 1}" + (" of stdin" if place == "line" else "")
-        raise KestrelError(f"{where} is empty: every text to embed needs at least one character")
-    return texts
+        raise KestrelError(f"{places[empty]} is empty: every text to embed needs at least one character")
+    return texts, places
 
 
 def embed(args: argparse.Namespace) -> int:
     """Each text's embedding as a JSON array on a line of its own, in the order given."""
-    texts = _embed_texts(args)
+    from kestrel_core.model.embed import check_input
+
+    texts, places = _embed_texts(args)
     with _open_engine(args) as engine:
         if is_reranker(engine.config):
             raise KestrelError("this is a reranker: it scores query-document pairs (kestrel serve: /v1/rerank), "
                                "its hidden states are no embeddings")
-        ids = [list(engine.tokenizer.encode(text)) for text in texts]
+        # each text's own limits first, so that a refusal names the text as an empty one is named
+        ids = [check_input(engine, engine.tokenizer.encode(text), f"text of {where}")
+               for text, where in zip(texts, places)]
         vectors = engine.embed(ids, pooling=args.pooling, dimensions=args.dimensions)
         for v in vectors:
             sys.stdout.write(json.dumps(v.tolist()) + "\n")
