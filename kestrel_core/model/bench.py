@@ -3,9 +3,11 @@ batching at several concurrency levels."""
 
 from __future__ import annotations
 
+import logging
+import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -13,6 +15,9 @@ import numpy as np
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.engine import Engine
+from kestrel_core.model.kv_pool import bytes_per_position
+
+log = logging.getLogger("kestrel")
 
 
 @dataclass
@@ -59,9 +64,10 @@ def run_bench(engine: Engine, *, prompt_tokens: int = 256, decode_tokens: int = 
     if prompt_tokens + answer > context:
         raise KestrelError(f"{prompt_tokens} prompt tokens and an answer of {answer} (the first and "
                            f"{decode_tokens} decode tokens) exceed the model's context of {context}")
-    if engine.pool.blocks_for(prompt_tokens + answer) > engine.pool.num_blocks:
+    if (blocks := engine.pool.blocks_for(prompt_tokens + answer)) > engine.pool.num_blocks:
         raise KestrelError(f"{prompt_tokens} prompt tokens and an answer of {answer} need more than the "
-                           f"{engine.pool.capacity} positions the KV cache holds (--kv-cache-mb)")
+                           f"{engine.pool.capacity} positions the KV cache holds (--kv-cache-mb "
+                           f"{_cache_mb(engine, blocks)} gives them room)")
     prompts = np.random.default_rng(seed).integers(0, engine.config.vocab_size, (warmup + runs, prompt_tokens))
     prefill, decode = [], []
     uploads = (0.0, 0.0)
@@ -131,6 +137,12 @@ class ConcurrencyBench:
         return asdict(self)
 
 
+def _cache_mb(engine: Engine, blocks: int) -> int:
+    """The --kv-cache-mb that holds ``blocks`` blocks of ``engine``'s KV cache."""
+    pool = engine.pool
+    return math.ceil(blocks * pool.block_size * bytes_per_position(engine.config, pool.kv_type) / 2 ** 20)
+
+
 def all_decoding_rate(streams: Sequence[Sequence[float]], counts: Sequence[Sequence[int]] | None = None) -> float:
     """Aggregate tokens per second while every stream decodes: from the last stream's first token to the first
     stream's last (the tokens of that window over its length). ``streams``: each stream's token time stamps,
@@ -147,10 +159,13 @@ def all_decoding_rate(streams: Sequence[Sequence[float]], counts: Sequence[Seque
 
 
 def run_concurrency_bench(engine: Engine, levels: list[int], *, prompt_tokens: int = 256, decode_tokens: int = 64,
-                          seed: int = 0, quant: str = "", token_budget: int | None = None) -> ConcurrencyBench:
+                          seed: int = 0, quant: str = "", token_budget: int | None = None,
+                          warn: Callable[[str], None] | None = None) -> ConcurrencyBench:
     """Continuous batching at each concurrency level: that many requests with distinct random prompts of
     ``prompt_tokens``, greedy, ``decode_tokens`` each (EOS ignored), all submitted at once to the scheduler.
-    Decode tok/s is ``all_decoding_rate``: while all of them decode, not in the prompts' ramp or the tail."""
+    Decode tok/s is ``all_decoding_rate``: while all of them decode, not in the prompts' ramp or the tail.
+    A KV cache too small for one stream is a KestrelError; one too small for the largest level's streams at once
+    is said through ``warn`` (default: logged), and they take turns."""
     from kestrel_core.model.sampling import SamplingParams
     from kestrel_core.model.scheduler import Scheduler
 
@@ -159,6 +174,16 @@ def run_concurrency_bench(engine: Engine, levels: list[int], *, prompt_tokens: i
     if prompt_tokens + decode_tokens > engine.config.max_position:
         raise KestrelError(f"{prompt_tokens} prompt + {decode_tokens} decode tokens exceed the model's context "
                            f"of {engine.config.max_position}")
+    pool = engine.pool
+    stream = pool.blocks_for(prompt_tokens + decode_tokens + 1)
+    if stream > pool.num_blocks:  # the scheduler would end the lone stream early, at "length"
+        raise KestrelError(f"{prompt_tokens} prompt + {decode_tokens} decode tokens need more than the "
+                           f"{pool.capacity} positions the KV cache holds: not even one stream fits "
+                           f"(--kv-cache-mb {_cache_mb(engine, stream)} gives it room)")
+    if max(levels) * stream > pool.num_blocks:
+        (warn or log.warning)(f"the KV cache holds {pool.capacity} positions, {max(levels)} streams need "
+                              f"{max(levels) * stream * pool.block_size}: they will not all run at once "
+                              f"(--kv-cache-mb {_cache_mb(engine, max(levels) * stream)} gives them room)")
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
     result = ConcurrencyBench(engine.source, engine.backend_name, engine.backend.device_description, quant,

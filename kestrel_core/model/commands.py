@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import secrets
 import sys
 from collections.abc import Sequence
@@ -541,20 +540,14 @@ def bench(args: argparse.Namespace) -> int:
 
 def _bench_concurrency(args: argparse.Namespace) -> int:
     from kestrel_core.model.bench import run_concurrency_bench
-    from kestrel_core.model.kv_pool import bytes_per_position
     from kestrel_core.model.quantize import model_quant
 
     levels = concurrency_levels(args.concurrency)
     with _open_engine(args) as engine:
-        need = max(levels) * engine.pool.blocks_for(args.prompt_tokens + args.decode_tokens + 1)
-        if need > engine.pool.num_blocks:
-            per_block_mb = bytes_per_position(engine.config, engine.pool.kv_type) * engine.pool.block_size / 2 ** 20
-            err.print(f"the KV cache holds {engine.pool.capacity} positions, {max(levels)} streams need "
-                      f"{need * engine.pool.block_size}: they will not all run at once (--kv-cache-mb "
-                      f"{math.ceil(need * per_block_mb)} gives them room)", style="yellow", soft_wrap=True)
         result = run_concurrency_bench(engine, levels, prompt_tokens=args.prompt_tokens,
                                        decode_tokens=args.decode_tokens,
-                                       quant=args.quant or model_quant(engine.model))
+                                       quant=args.quant or model_quant(engine.model),
+                                       warn=lambda text: err.print(text, style="yellow", soft_wrap=True))
     if args.json:
         print(dumps(result.as_dict(), indent=2))
         return 0

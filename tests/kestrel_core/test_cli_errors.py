@@ -32,3 +32,16 @@ def test_a_text_too_long_to_embed_is_named_by_its_place(stdin: str, argv: list[s
     assert main(["embed", "--model", str(EMBED), "--backend", "cpu", *argv]) == 2
     error = _error(capsys)
     assert f"the text of {place} has " in error and "tokens; the model's context is 256" in error, error
+
+
+@pytest.mark.parametrize("prompt_tokens", ["100", "40"])  # the prompt alone past the cache; with its answer
+def test_a_bench_whose_one_stream_does_not_fit_is_one_error(prompt_tokens: str, capsys) -> None:
+    """Not the warning that the streams will take turns, then the scheduler's refusal of the prompt (or streams
+    cut short at the cache's end): one stream is what the cache cannot hold, and how much would."""
+    assert main(["bench", "--model", str(FIXTURES / "tiny-qwen3"), "--backend", "cpu", "--kv-cache-mb", "0.1",
+                 "--concurrency", "2", "--prompt-tokens", prompt_tokens, "--decode-tokens", "30"]) == 2
+    err = capsys.readouterr().err
+    assert "run at once" not in err, err
+    assert err.strip().splitlines()[-1] == (f"error: {prompt_tokens} prompt + 30 decode tokens need more than the 64 "
+                                            "positions the KV cache holds: not even one stream fits (--kv-cache-mb 1 "
+                                            "gives it room)"), err
