@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from kestrel_core import checksum
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error, os_reason
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.validate import check_artifact_meta
 from kestrel_core.model.weights import model_tensors as model_tensors
@@ -139,7 +139,8 @@ class ArtifactFile:
             try:
                 self.map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_COPY)
             except (OSError, ValueError) as exc:  # e.g. ENOMEM under a small RLIMIT_AS
-                raise refuse(self.path, f"cannot map it into memory: {exc}") from None
+                why = os_reason(exc) if isinstance(exc, OSError) else exc
+                raise refuse(self.path, f"cannot map it into memory: {why}") from None
         dtype = _NUMPY[e.dtype]
         count = e.nbytes // dtype.itemsize
         arr = np.frombuffer(self.map, dtype=dtype, count=count, offset=e.offset)
@@ -163,7 +164,7 @@ def open_artifact_file(path: Path) -> ArtifactFile:
     except FileNotFoundError:
         raise KestrelError(f"{path}: no such artifact file") from None
     except OSError as exc:
-        raise refuse(path, f"cannot read it: {exc.strerror or exc}") from None
+        raise os_error(exc, "cannot read", path) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -194,7 +195,7 @@ def _parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, str], dict[
             raise _corrupt(path, f"the header claims {n} bytes; the file has {size}")
         raw = _read_exactly(fd, 8, n)
     except OSError as exc:
-        raise refuse(path, f"cannot read it: {exc.strerror or exc}") from None
+        raise os_error(exc, "cannot read", path) from None
     if len(raw) != n:
         raise _corrupt(path, "the file shrank while being read")
     try:

@@ -31,7 +31,7 @@ from kestrel_core.artifact import (
     model_tensors,
 )
 from kestrel_core.contract import StripCache
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error
 from kestrel_core.model.weights import Model
 from kestrel_core.progress import Report
 from kestrel_core.temps import HELD_SUFFIX, TEMP_MAX_AGE_S, Temp, find_temps, held_temp_file, remove_stale
@@ -152,16 +152,18 @@ def check_output(path: Path, force: bool) -> None:
     if not str(path) or str(path) == ".":
         raise KestrelError("the output needs a file name")
     parent = path.parent if str(path.parent) else Path(".")
-    if not parent.exists():
-        raise KestrelError(f"cannot write {path}: directory {parent} does not exist")
-    if not parent.is_dir():
-        raise KestrelError(f"cannot write {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise KestrelError(f"cannot write {path}: no permission to write in {parent}")
     try:
+        if not parent.exists():
+            raise KestrelError(f"cannot write {path}: directory {parent} does not exist")
+        if not parent.is_dir():
+            raise KestrelError(f"cannot write {path}: {parent} is not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise KestrelError(f"cannot write {path}: no permission to write in {parent}")
         st = path.lstat()
     except FileNotFoundError:
         return
+    except OSError as exc:  # a name too long, a loop of links
+        raise os_error(exc, "cannot write", path) from None
     if stat.S_ISDIR(st.st_mode):
         raise KestrelError(f"{path} is a directory")
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):

@@ -30,7 +30,7 @@ from rich.text import Text
 import kestrel_core
 from kestrel_core.console import err, log_handler, out
 from kestrel_core.entry import INTERRUPTED_EXIT, interrupted
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error
 from kestrel_core.model.config import KV_TYPES, POOLINGS
 from kestrel_core.model.reasoning import THINK_LEVELS
 from kestrel_core.model.request_queue import POLICIES
@@ -436,7 +436,9 @@ def _main(argv: Sequence[str] | None) -> int:
             err.print_exception()
         if interrupted():  # the error is what an interrupt dropped in a callback left (numba's cache save)
             return _interrupted()
-        said = f" not enough memory: {exc}" if isinstance(exc, MemoryError) else f" {exc}"  # numpy's says how much
+        # numpy's MemoryError says how much; an OSError that reaches here is its words and path, not "[Errno N]"
+        said = (f" not enough memory: {exc}" if isinstance(exc, MemoryError)
+                else f" {os_error(exc)}" if isinstance(exc, OSError) else f" {exc}")
         err.print(Text.assemble(("error:", "red"), said), soft_wrap=True)
         return 2
     except BaseException as exc:  # an unexpected bug (a Rust extension's panic too): still one line unless -v

@@ -70,3 +70,18 @@ def safe_text(value: object, quoted: bool = False) -> str:
 
 def safe_repr(value: object) -> str:
     return safe_text(value, quoted=True)
+
+
+def os_reason(exc: OSError) -> str:
+    """The OS's reason for ``exc`` in words ("not a directory"): its strerror, without Python's "[Errno N]" and
+    quoted path; the text of an OSError raised with a message of its own."""
+    reason = exc.strerror or safe_text(exc)
+    return reason[:1].lower() + reason[1:] if reason[1:2].islower() else reason  # "ENOSPC..." stays as it is
+
+
+def os_error(exc: OSError, doing: str = "", path: object = None) -> KestrelError:
+    """``exc``, raised on a path the user gave, as the one line kestrel prints: what it was doing, the path
+    (default: the error's own), the OS's reason; "KESTREL_HOME /some/file: not a directory", "cannot write
+    out.kst: file name too long"."""
+    where = " ".join(str(part) for part in (doing, exc.filename if path is None else path) if part not in ("", None))
+    return KestrelError(f"{where}: {os_reason(exc)}" if where else os_reason(exc))

@@ -32,10 +32,10 @@ from pathlib import Path
 from kestrel_core import __version__
 from kestrel_core.artifact import FORMAT_VERSION, MAX_HEADER_BYTES, read_meta
 from kestrel_core.env import env_flag, env_str
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error
 from kestrel_core.locks import remove_unheld
 from kestrel_core.model.hf import weight_files
-from kestrel_core.model.pull import kestrel_home
+from kestrel_core.model.pull import home_error, kestrel_home
 from kestrel_core.model.tokenizer import PROCESSOR_TEMPLATE
 from kestrel_core.model.validate import check_regular_file
 from kestrel_core.temps import LockFile, Temp
@@ -248,7 +248,7 @@ def cache_entries() -> list[CacheEntry]:
     except FileNotFoundError:
         return []
     except OSError as exc:
-        raise KestrelError(f"{directory}: cannot read the model cache ({exc.strerror or exc})") from None
+        raise home_error(exc, "cannot read the model cache", directory) from None
     entries = []
     for path in (directory / name for name in names if name.endswith(".kst")):
         try:
@@ -256,7 +256,7 @@ def cache_entries() -> list[CacheEntry]:
         except FileNotFoundError:  # removed since it was listed
             continue
         except OSError as exc:
-            raise KestrelError(f"{directory}: cannot read the model cache ({exc.strerror or exc})") from None
+            raise home_error(exc, "cannot read the model cache", directory) from None
         try:
             meta = read_meta(path)
             sources, quant = meta.extra.get("sources") or [], meta.quant
@@ -287,7 +287,7 @@ def prune_cache(everything: bool = False) -> tuple[list[CacheEntry], list[Temp]]
         try:
             remove_entry(e.path)
         except OSError as exc:  # a read-only KESTREL_HOME
-            raise KestrelError(f"cannot remove the cache entry {e.path}: {exc.strerror or exc}") from exc
+            raise os_error(exc, "cannot remove the cache entry", e.path) from exc
     for lock in cache_dir().glob(f".*{LOCK_SUFFIX}"):
         remove_unheld(lock)
     return removed, remove_stale_temps(cache_dir())

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from kestrel_core.console import dumps, err, out
 from kestrel_core.entry import interrupt_handled
-from kestrel_core.errors import InvalidRequest, KestrelError
+from kestrel_core.errors import InvalidRequest, KestrelError, os_error
 from kestrel_core.model.engine import Engine
 from kestrel_core.model.engine_load import load, load_preset
 from kestrel_core.model.fim import fim_prompt_ids
@@ -173,7 +173,7 @@ def _option_text(value: str, option: str) -> str:
         with open(value[1:], encoding="utf-8") as f:
             return read_text_stdin(f, f"{option}: {value[1:]}")
     except OSError as exc:
-        raise KestrelError(f"{option}: cannot read {value[1:]} ({exc.strerror or exc})") from None
+        raise os_error(exc, f"{option}: cannot read", value[1:]) from None
 
 
 def _grammar(args: argparse.Namespace) -> str | None:
@@ -483,8 +483,12 @@ def quantize(args: argparse.Namespace) -> int:
         raise KestrelError(f"{out}: an artifact's file name ends in .kst (for example {out.with_suffix('.kst')})")
     check_output(out, args.force)  # before the (slow) load
     source = Path(args.model)
-    if source.exists() and (out.exists() and out.samefile(source)
-                            or source.is_dir() and out.resolve().is_relative_to(source.resolve())):
+    try:
+        inside = source.exists() and (out.exists() and out.samefile(source)
+                                      or source.is_dir() and out.resolve().is_relative_to(source.resolve()))
+    except OSError as exc:  # a name too long, a directory it may not search
+        raise os_error(exc, "cannot read the model", source) from None
+    if inside:
         raise KestrelError(f"{out} is the model being quantized, or inside it: write the artifact elsewhere")
     if args.quant is not None:
         wanted = parse_quant(args.quant).name
@@ -495,7 +499,7 @@ def quantize(args: argparse.Namespace) -> int:
     try:
         path = write_artifact(loaded, out, force=args.force)
     except OSError as exc:  # a full disk's error names no file
-        raise KestrelError(f"cannot write {out}: {exc.strerror or exc}") from exc
+        raise os_error(exc, "cannot write", out) from exc
     err.print(f"wrote {path} ({loaded.quant}, {path.stat().st_size / 1e6:.1f} MB) from {loaded.source}",
               soft_wrap=True)
     return 0

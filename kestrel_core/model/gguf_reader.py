@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader
 
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.gguf_bounds import check_gguf_bounds, split_parts
 from kestrel_core.model.gguf_meta import HYBRID_ARCHITECTURES, GGUFMetadata, dequantize_tensor
@@ -239,7 +239,7 @@ def _open_reader(path: Path) -> GGUFReader:
     try:
         return GGUFReader(path)
     except OSError as exc:
-        raise KestrelError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        raise os_error(exc, "cannot read", path) from None
     except Exception as exc:  # gguf-py raises ValueError, struct/IndexError... on bad bytes
         raise KestrelError(f"{path}: not a readable GGUF file (truncated or corrupt: "
                            f"{type(exc).__name__}: {' '.join(str(exc).split())})") from None

@@ -22,7 +22,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from kestrel_core.contract import BFloat16Bits
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error
 from kestrel_core.model.bnb import bnb_scheme
 from kestrel_core.model.bnb import read_weight as read_bnb_weight
 from kestrel_core.model.config import ModelConfig
@@ -234,7 +234,9 @@ def sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool] | None:
         return None
     try:
         modules = json.loads(check_regular_file(path, model_dir).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except OSError as exc:
+        raise os_error(exc, "cannot read", path) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise KestrelError(f"{path}: cannot read it ({exc})") from None
     if not isinstance(modules, list) or not all(isinstance(m, dict) and isinstance(m.get("type"), str)
                                                 and isinstance(m.get("path", ""), str) for m in modules):
@@ -409,7 +411,7 @@ class HFCheckpoint:
             except SafetensorError as exc:
                 raise KestrelError(f"{path}: truncated or corrupt safetensors file ({exc})") from None
             except OSError as exc:
-                raise KestrelError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+                raise os_error(exc, "cannot read", path) from None
         return self._handles[path]
 
     def has(self, name: str) -> bool:

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error
 from kestrel_core.model import hf_cohere, hf_experts, hf_hybrid
 from kestrel_core.model.config import (
     SAMPLING_FIELDS,
@@ -555,7 +555,9 @@ def read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise KestrelError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise os_error(exc, "cannot read", path) from None
+    except UnicodeDecodeError as exc:
         raise KestrelError(f"{path}: cannot read it ({exc})") from None
     except json.JSONDecodeError as exc:
         raise KestrelError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kestrel_core.env import env_int
-from kestrel_core.errors import KestrelError, safe_text
+from kestrel_core.errors import KestrelError, os_error, safe_text
 from kestrel_core.model.hub_files import ANSWER_LIMIT, READ_LIMIT, CommitFiles, limit_hint, timeout_of
 
 log = logging.getLogger(__name__)
@@ -250,10 +250,9 @@ def cached_models(cache_dir: str | None = None) -> list[CachedModel]:
     except CacheNotFound:  # nothing downloaded yet
         return []
     except OSError as exc:  # a directory it may not read: not an empty cache
-        raise KestrelError(f"{exc.filename or where}: cannot read the Hugging Face cache "
-                           f"({exc.strerror or exc})") from None
+        raise os_error(exc, "cannot read the Hugging Face cache", exc.filename or where) from None
     except ValueError:  # huggingface_hub's answer to a file in the directory's place
-        raise KestrelError(f"{where}: cannot read the Hugging Face cache (Not a directory)") from None
+        raise KestrelError(f"cannot read the Hugging Face cache {where}: not a directory") from None
     found = []
     for repo in info.repos:
         if repo.repo_type != "model":

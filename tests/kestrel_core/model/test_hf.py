@@ -448,4 +448,4 @@ def test_a_shard_that_cannot_be_read_is_said_to_be_unreadable(tmp_path: Path, un
     done = subprocess.run([*unprivileged, sys.executable, "-m", "kestrel_core.entry", "run", "--model", str(model),
                            "--backend", "cpu", "-n", "1", "hi"], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 2, (done.returncode, done.stderr)
-    assert done.stderr.strip().splitlines()[-1] == f"error: {shard}: cannot read it (Permission denied)", done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"error: cannot read {shard}: permission denied", done.stderr

@@ -95,7 +95,7 @@ def test_a_quantize_that_cannot_write_names_its_output_and_keeps_the_old_file(tm
     old.write_text("the user's")
     assert main(["quantize", str(model), "-o", str(old), "--force"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: cannot write {old}: No space left on device", err
+    assert err == f"error: cannot write {old}: no space left on device", err
     assert old.read_text() == "the user's" and sorted(tmp_path.iterdir()) == [old]
 
 
