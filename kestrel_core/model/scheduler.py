@@ -57,7 +57,7 @@ from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, l
 from kestrel_core.model.scoring import Scoring
 from kestrel_core.model.speculate import Guesser, LookupGuesser
 from kestrel_core.model.tokenizer import NoTokenizer
-from kestrel_core.model.validate import check_int
+from kestrel_core.model.validate import MAX_CONCURRENCY, MAX_TOKEN_BUDGET, MAX_WAITING, check_int
 from kestrel_core.model.weights import PREFILL_CHUNK
 
 log = logging.getLogger("kestrel")
@@ -78,9 +78,10 @@ class Scheduler(LoneDecode):
 
     def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING, policy: str = FCFS) -> None:
-        max_batch, max_waiting = check_int("max_batch", max_batch, 1), check_int("max_waiting", max_waiting, 0)
+        max_batch = check_int("max_batch", max_batch, 1, MAX_CONCURRENCY)
+        max_waiting = check_int("max_waiting", max_waiting, 0, MAX_WAITING)
         token_budget = (default_token_budget(max_batch) if token_budget is None
-                        else check_int("token_budget", token_budget, 1))
+                        else check_int("token_budget", token_budget, 1, MAX_TOKEN_BUDGET))
         self.engine = engine
         self.pool = engine.pool
         self.max_batch = max_batch

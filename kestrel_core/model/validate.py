@@ -316,10 +316,20 @@ def check_artifact_meta(quant: Any, config: Any, tensor_names: Iterable[str], wh
 # -- CLI values -------------------------------------------------------------------------------------------
 
 
+# ``bench --concurrency``'s streams of one level, at most, and a server's running batch (``--max-batch``): each
+# decode step's logits are a row a stream, and 4,096 rows of a 152k-token vocabulary (Qwen's) are 2.5 GB of float32
+MAX_CONCURRENCY = 4096
+# a server's queue past the batch (``--max-waiting``): 65,536 requests wait minutes at any rate one model serves,
+# past the 10 minutes the OpenAI client waits for an answer
+MAX_WAITING = 1 << 16
+# tokens of one scheduler step (``--token-budget``): 128 prompt chunks of 512; a step's [T, D] activations of a
+# 4096-wide model are then 1 GiB of float32
+MAX_TOKEN_BUDGET = 1 << 16
 CLI_INT_RANGES: dict[str, tuple[int, int | None]] = {
     "max_tokens": (1, None), "top_k": (0, None), "seed": (0, 2 ** 63 - 1), "seeds": (1, 10_000),
     "prompt_tokens": (1, None), "decode_tokens": (1, None), "runs": (1, 10_000), "warmup": (0, 10_000),
-    "port": (0, 65535), "max_batch": (1, None), "max_waiting": (0, None), "token_budget": (1, None),
+    "port": (0, 65535), "max_batch": (1, MAX_CONCURRENCY), "max_waiting": (0, MAX_WAITING),
+    "token_budget": (1, MAX_TOKEN_BUDGET),
     "dimensions": (1, None), "speculate": (0, 64), "max_model_len": (1, None), "draft_min": (0, None),
 }
 CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
@@ -333,9 +343,6 @@ CLI_TEXT = ("host", "served_model_name", "api_key", "quant", "backend", "model",
             "concurrency", "draft_model")
 _POSITIONAL = {"prompt": "the prompt", "texts": "a text to embed"}
 _PATHS = frozenset({"model", "output", "lora", "draft_model"})
-# ``bench --concurrency``'s streams of one level, at most: each decode step's logits are a row a stream, and 4,096
-# rows of a 152k-token vocabulary (Qwen's) are 2.5 GB of float32
-MAX_CONCURRENCY = 4096
 
 
 def concurrency_levels(text: str) -> list[int]:

@@ -301,11 +301,14 @@ def test_a_scheduler_of_a_bad_size_is_a_one_line_error(model) -> None:
     with kestrel_core.load(model, backend="cpu") as engine:
         for kwargs, says in (({"max_batch": "4"}, "max_batch must be an integer, got '4'"),
                              ({"max_batch": 2.5}, "max_batch must be an integer, got 2.5"),
-                             ({"max_batch": 0}, "max_batch must be an integer >= 1, got 0"),
-                             ({"max_waiting": -1}, "max_waiting must be an integer >= 0, got -1"),
+                             ({"max_batch": 0}, "max_batch must be an integer in [1, 4096], got 0"),
+                             ({"max_batch": 4097}, "max_batch must be an integer in [1, 4096], got 4097"),
+                             ({"max_waiting": -1}, "max_waiting must be an integer in [0, 65536], got -1"),
+                             ({"max_waiting": 65537}, "max_waiting must be an integer in [0, 65536], got 65537"),
                              ({"max_waiting": None}, "max_waiting must be an integer, got None"),
                              ({"token_budget": "64"}, "token_budget must be an integer, got '64'"),
-                             ({"token_budget": 0}, "token_budget must be an integer >= 1, got 0")):
+                             ({"token_budget": 0}, "token_budget must be an integer in [1, 65536], got 0"),
+                             ({"token_budget": 65537}, "token_budget must be an integer in [1, 65536], got 65537")):
             for make in (Scheduler, kestrel_core.AsyncEngine):
                 with pytest.raises(KestrelError, match=re.escape(says)):
                     make(engine, **kwargs)

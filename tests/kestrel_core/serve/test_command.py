@@ -25,9 +25,9 @@ TINY = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3
 BAD_VALUES = [
     (["--port", "70000"], "--port: port must be an integer in [0, 65535], got 70000"),
     (["--port", "-1"], "--port: port must be an integer in [0, 65535], got -1"),
-    (["--max-batch", "0"], "--max-batch: max_batch must be an integer >= 1, got 0"),
-    (["--max-waiting", "-1"], "--max-waiting: max_waiting must be an integer >= 0, got -1"),
-    (["--token-budget", "0"], "--token-budget: token_budget must be an integer >= 1, got 0"),
+    (["--max-batch", "0"], "--max-batch: max_batch must be an integer in [1, 4096], got 0"),
+    (["--max-waiting", "-1"], "--max-waiting: max_waiting must be an integer in [0, 65536], got -1"),
+    (["--token-budget", "0"], "--token-budget: token_budget must be an integer in [1, 65536], got 0"),
     (["--kv-cache-mb", "0"], "--kv-cache-mb: kv_cache_mb must be in (0, "),
     (["--kv-cache-mb", "nan"], "--kv-cache-mb: kv_cache_mb must be in (0, "),
     (["--shutdown-grace", "-1"], "--shutdown-grace: shutdown_grace must be in [0, 86400], got -1.0"),
@@ -36,6 +36,10 @@ BAD_VALUES = [
     (["--host", ""], "--host: host must not be empty, got ''"),
     (["--served-model-name", " "], "--served-model-name: served_model_name must not be empty, got ' '"),
     (["--api-key", ""], "--api-key: api_key must not be empty, got ''"),
+    # bounded as bench --concurrency is (a batch's logit rows), the queue and a step's tokens too
+    (["--max-batch", "4097"], "--max-batch: max_batch must be an integer in [1, 4096], got 4097"),
+    (["--max-waiting", "65537"], "--max-waiting: max_waiting must be an integer in [0, 65536], got 65537"),
+    (["--token-budget", "1000000000"], "--token-budget: token_budget must be an integer in [1, 65536], got 1000000000"),
 ]
 
 
@@ -82,10 +86,10 @@ def test_serve_words_a_bad_value_as_run_does(capsys: pytest.CaptureFixture[str])
     serve_err = capsys.readouterr().err.strip()
     assert run_err == "error: --seed: seed must be an integer in [0, 9223372036854775807], got -1"
     assert bench_err == "error: --runs: runs must be an integer in [1, 10000], got 0"
-    assert serve_err == "error: --max-batch: max_batch must be an integer >= 1, got 0"
+    assert serve_err == "error: --max-batch: max_batch must be an integer in [1, 4096], got 0"
 
 
-@pytest.mark.parametrize(("argv", "needle"), BAD_VALUES[:4] + BAD_VALUES[8:9])
+@pytest.mark.parametrize(("argv", "needle"), BAD_VALUES[:4] + BAD_VALUES[8:9] + BAD_VALUES[-3:-2])
 def test_the_command_exits_2_with_one_line(argv: list[str], needle: str) -> None:
     """The installed command's own process: nothing loads, nothing listens, one line on stderr."""
     done = subprocess.run([sys.executable, "-m", "kestrel_core.entry", "serve", *argv], capture_output=True,

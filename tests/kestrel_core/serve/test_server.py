@@ -17,12 +17,15 @@ from pathlib import Path
 import openai
 import pytest
 
+import kestrel_core
 from kestrel_core.errors import KestrelError
 from kestrel_core.serve.app import create_app
 from kestrel_core.serve.server import bind_socket, default_model_name, serve
 
 from ..waits import HANG_GUARD_S, wait_until
 from .helpers import http
+
+TINY = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"
 
 ROOT = Path(__file__).resolve().parents[3]
 URL = re.compile(r"kestrel serve: (http://127\.0\.0\.1:(\d+))/v1 \(model (\S+), backend cpu")
@@ -74,6 +77,22 @@ def test_bad_serve_arguments_are_one_line_errors_before_anything_runs() -> None:
                       ("k\ud800", "api_key is not valid UTF-8")):
         with pytest.raises(KestrelError, match=says):
             create_app({}, api_key=key)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("sizes", "says"), [
+    ({"max_batch": 4097}, r"max_batch must be an integer in \[1, 4096\], got 4097"),
+    ({"max_waiting": 1 << 20}, r"max_waiting must be an integer in \[0, 65536\], got 1048576"),
+    ({"token_budget": 10**9}, r"token_budget must be an integer in \[1, 65536\], got 1000000000"),
+])
+def test_serves_sizes_from_python_are_bounded_as_the_commands(sizes: dict[str, int], says: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve(max_batch=...)`` takes what ``kestrel serve --max-batch`` takes: one line, before it listens."""
+    def listening(*_: object) -> None:  # sizes taken: it would serve until a signal
+        raise AssertionError(f"serve took {sizes}")
+
+    monkeypatch.setattr("kestrel_core.serve.server.warm_up", listening)
+    with kestrel_core.load(str(TINY), backend="cpu") as engine, pytest.raises(KestrelError, match=says):
+        serve(engine, port=0, **sizes)  # type: ignore[arg-type]
 
 
 class _Serve:
