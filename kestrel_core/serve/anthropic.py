@@ -311,13 +311,16 @@ def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     return blocks
 
 
-def _stop(choice: dict[str, Any], max_tokens: int, output_tokens: int) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of an OpenAI choice that finished (vLLM's ``stop_reason``: the string); a
-    length stop short of ``max_tokens`` is the context's end, which asking again would not get past."""
+def _stop(choice: dict[str, Any], max_tokens: int, output_tokens: int, called: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of an OpenAI choice that finished (vLLM's ``stop_reason``: the string), which
+    made tool calls where ``called``; a length stop short of ``max_tokens`` is the context's end, which asking again
+    would not get past. An answer that ends in calls is "tool_use", a forced tool's too (whose OpenAI answer, a
+    named function's, finishes with "stop")."""
     by = choice.get("stop_reason")
     if isinstance(by, str):
         return "stop_sequence", by
-    reason = STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn")
+    finish = choice.get("finish_reason") or "stop"
+    reason = "tool_use" if called and finish == "stop" else STOP_REASONS.get(finish, "end_turn")
     if reason == "max_tokens" and output_tokens < max_tokens:
         return "model_context_window_exceeded", None
     return reason, None
@@ -378,6 +381,7 @@ async def _events(message_id: str, model: str, max_tokens: int, cached: int,
     blocks = _Blocks()
     started = False
     finish: dict[str, Any] = {}  # the choice that finished
+    called = False  # whether it made tool calls
     output = 0
     async for chunk in chunks:
         if "error" in chunk:
@@ -394,7 +398,7 @@ async def _events(message_id: str, model: str, max_tokens: int, cached: int,
         if not chunk.get("choices"):  # the final usage: the message is complete
             for e in blocks.close():
                 yield e
-            reason, sequence = _stop(finish, max_tokens, output)
+            reason, sequence = _stop(finish, max_tokens, output, called)
             delta = {"stop_reason": reason, "stop_sequence": sequence}
             yield _event("message_delta", {"delta": delta, "usage": _usage(usage)})
             yield _event("message_stop", {})
@@ -411,6 +415,7 @@ async def _events(message_id: str, model: str, max_tokens: int, cached: int,
                 yield e
             yield blocks.delta({"type": "text_delta", "text": delta["content"]})
         for call in delta.get("tool_calls") or ():
+            called = True
             fn = call.get("function") or {}
             for e in blocks.to("tool_use", {"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
                                             "input": {}}):
@@ -447,7 +452,8 @@ def install(app: FastAPI, models: Models) -> None:
 
         def whole(answer: dict[str, Any]) -> dict[str, Any]:
             choice, usage = answer["choices"][0], answer.get("usage") or {}
-            stop = _stop(choice, max_tokens, usage.get("completion_tokens", 0))
+            stop = _stop(choice, max_tokens, usage.get("completion_tokens", 0),
+                         bool(choice["message"].get("tool_calls")))
             return _envelope(message_id, body.model, _blocks(choice["message"]), stop, _usage(usage))
 
         max_tokens = body.max_tokens

@@ -369,7 +369,8 @@ class ChatCompletionRequest(_Generation):
                                  "<minimax:tool_call> blocks, <tool_calls> lists, Mistral's [TOOL_CALLS], "
                                  "Cohere's <|START_ACTION|> or Action: lists, Llama 3's JSON)", param="tools")
         return ToolCalls(fmt, self.parallel_tool_calls is not False,
-                         {t.function.name: t.function.parameters or {} for t in self.tools or ()})
+                         {t.function.name: t.function.parameters or {} for t in self.tools or ()},
+                         named=isinstance(self.tool_choice, NamedToolChoice))
 
     def grammar(self, tools: ToolCalls | None, control_ids: Mapping[str, int] | None = None,
                 harmony: bool = False) -> str | None:

@@ -120,11 +120,6 @@ def finish_reason(reason: str | None) -> str | None:
     return reason if reason in ("stop", "length", "tool_calls") else None
 
 
-def _calls_reason(reason: str | None) -> str | None:
-    """An answer that made tool calls: "tool_calls" where the model stopped by itself, else its reason."""
-    return "tool_calls" if reason == "stop" else reason
-
-
 class TokenStrings:
     """Each token's own text (decoded alone, special tokens by name) and the bytes it stands for, cached per id.
 
@@ -316,7 +311,7 @@ class ChatShape(_Shape):
             if self.tools is not None and said.calls:
                 message["content"] = said.content or None
                 message["tool_calls"] = self.tools.message_calls(self._calls(said.calls))
-                reason = _calls_reason(reason)
+                reason = self.tools.finish_reason(reason)
         elif self.reasoning is not None:
             answer = split_parts(text, self.reasoning.open_in_prompt, self.reasoning.markers)
             text = joined(answer, CONTENT) or ""
@@ -329,7 +324,7 @@ class ChatShape(_Shape):
             if parsed.calls:
                 message["content"] = parsed.content
                 message["tool_calls"] = self.tools.message_calls(parsed.calls)
-                reason = _calls_reason(reason)
+                reason = self.tools.finish_reason(reason)
         if self.reasons:
             self.reasoning_tokens += result.tokens.count(answer, REASONING)
         body = {"index": index, "message": message, "logprobs": self.logprobs(result.logprobs),
@@ -425,7 +420,7 @@ class ChatShape(_Shape):
             tool_deltas = [{"index": k, **call} for k, call in enumerate(self.tools.message_calls(calls))]
             chunks.append(self.chunk({"index": index, "delta": {"tool_calls": tool_deltas}, "logprobs": None,
                                       "finish_reason": None}))
-            reason = _calls_reason(reason)
+            reason = self.tools.finish_reason(reason)
         return chunks + [self.finish_chunk(reason, index, stop_reason)]
 
     def response(self, results: list[ChoiceResult], prompt_tokens: int, cached: int | None = None) -> dict[str, Any]:

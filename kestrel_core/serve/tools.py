@@ -488,12 +488,19 @@ class ToolStream:
 
 @dataclass(frozen=True)
 class ToolCalls:
-    """A request's tool calls: the format its answers write them in, whether several may come at once, and each
-    offered function's parameters' JSON Schema (by name: the xml and glm formats type their values by them)."""
+    """A request's tool calls: the format its answers write them in, whether several may come at once, each
+    offered function's parameters' JSON Schema (by name: the xml and glm formats type their values by them), and
+    whether ``tool_choice`` names the function (``named``)."""
 
     fmt: str
     parallel: bool = True
     schemas: dict[str, Any] = field(default_factory=dict)
+    named: bool = False
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The finish reason of an answer that made calls: "tool_calls" where the model stopped by itself, as
+        OpenAI's and vLLM's answers say, except a named function's call, which they finish with "stop"."""
+        return "tool_calls" if reason == "stop" and not self.named else reason
 
     def message_calls(self, calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
         """OpenAI's ``tool_calls`` of a message, each with a new id."""

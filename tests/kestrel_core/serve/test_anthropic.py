@@ -249,6 +249,28 @@ def test_tool_use_and_thinking_blocks(engine: Any) -> None:
         engine.tokenizer.chat_template = template
 
 
+@pytest.mark.parametrize("tool_choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}, {"type": "auto"}])
+def test_a_call_stops_with_tool_use_whatever_chose_it(engine: Any, tool_choice: dict[str, Any]) -> None:
+    """Anthropic's answer that ends in calls is ``tool_use``, a forced tool's too (the OpenAI answer it is made from,
+    a named function's, finishes with "stop"), whole and streamed."""
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = THINKING_TEMPLATE
+    try:
+        front = Scripted(engine)
+        with running_server(front, NAME) as server:
+            an = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+            ask = {"model": NAME, "max_tokens": 100, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                   "tools": [TOOL], "tool_choice": tool_choice, "thinking": {"type": "disabled"}}
+            front.answers += [PARIS, PARIS]
+            got = an.messages.create(**ask)
+            with an.messages.stream(**ask) as stream:
+                final = stream.get_final_message()
+            for message in (got, final):
+                assert [b.type for b in message.content] == ["tool_use"] and message.stop_reason == "tool_use"
+    finally:
+        engine.tokenizer.chat_template = template
+
+
 def test_a_stop_sequence_is_named(an: anthropic.Anthropic, client: openai.OpenAI) -> None:
     ask = [{"role": "user", "content": "The quick brown fox"}]  # tiny-qwen3 answers it with two characters
     text = an.messages.create(model=NAME, max_tokens=12, messages=ask, **GREEDY).content[0].text

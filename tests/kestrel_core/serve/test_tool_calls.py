@@ -71,6 +71,19 @@ def test_a_call_comes_back_as_tool_calls(scripted: Scripted, client: openai.Open
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("tool_choice", "reason"), [
+    ("auto", "tool_calls"), ("required", "tool_calls"),
+    # a named function's call finishes with "stop", as OpenAI's and vLLM's (its PR 25054) do
+    ({"type": "function", "function": {"name": "get_weather"}}, "stop")])
+def test_the_finish_reason_of_a_call_is_openais_for_its_tool_choice(scripted: Scripted, client: openai.OpenAI,
+                                                                   tool_choice: Any, reason: str,
+                                                                   stream: bool) -> None:
+    reply = _answer(scripted, client, PARIS, tool_choice=tool_choice, stream=stream)
+    _, content, calls, finish = reply_parts(reply, stream)
+    assert (content, [c.function.name for c in calls], finish) == ("", ["get_weather"], reason)
+
+
 def test_text_before_a_call_is_the_content(scripted: Scripted, client: openai.OpenAI) -> None:
     choice = _answer(scripted, client, "Let me look that up.\n\n" + PARIS).choices[0]
     assert choice.message.content == "Let me look that up."

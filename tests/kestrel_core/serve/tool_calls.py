@@ -126,9 +126,10 @@ def reply_parts(reply: Any, stream: bool) -> tuple[str | None, str, list[Any], s
 
 def assert_one_forced_forecast(reply: Any, stream: bool, tool_choice: Any) -> None:
     """A reply to a forced call of DAYS (``tool_choice`` "required" or DAYS named, beside TIME): one call and no
-    content; named, the call is DAYS's; a DAYS call's integer is an integer."""
+    content; named, the call is DAYS's, finished with "stop" (OpenAI's finish reason for a named function); a
+    DAYS call's integer is an integer."""
     _, content, calls, reason = reply_parts(reply, stream)
-    assert (content, reason) == ("", "tool_calls")
+    assert (content, reason) == ("", "tool_calls" if tool_choice == "required" else "stop")
     (call,) = calls
     args = json.loads(call.function.arguments)
     if tool_choice != "required":
