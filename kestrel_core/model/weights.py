@@ -11,6 +11,7 @@ and the synthetic presets all build a ``Model`` from it through ``assemble``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -399,3 +400,9 @@ def model_tensors(model: Model) -> dict[str, StripCache | np.ndarray]:
         else:
             out[s.name] = getattr(layer, field)
     return out
+
+
+def parameter_count(model: Model) -> int:
+    """The model's parameters: the elements of every tensor it holds (``model_tensors``: the embedding, each
+    projection, expert and norm; a tied lm_head once), as a checkpoint's tensors count them."""
+    return sum(math.prod(t.shape) for t in model_tensors(model).values())

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import replace
+from functools import cached_property
 from typing import Annotated, Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, reasoning_m
 from kestrel_core.model.request_queue import checked_priority
 from kestrel_core.model.rerank import is_reranker
 from kestrel_core.model.sampling import TokenLogprob
+from kestrel_core.model.weights import parameter_count
 from kestrel_core.serve import anthropic, generation, llamacpp, ollama, responses_api, scores, tokenize
 from kestrel_core.serve.access import (
     CLIENT_CLOSED,
@@ -87,6 +89,11 @@ class Served:
         ids = {token: backend.token_to_id(token) for token in CONTROL_TOKENS.get(self.tool_format or "", ())} \
             if backend else {}
         self.control_ids = {token: i for token, i in ids.items() if i is not None}
+
+    @cached_property
+    def parameter_count(self) -> int:
+        """The model's parameters (``weights.parameter_count``), counted at the first ask: it visits every tensor."""
+        return parameter_count(self.engine.model)
 
     def check_request(self, priority: int | None = None) -> None:
         """A generation request: for a model that generates, at a ``priority`` its scheduling policy takes."""

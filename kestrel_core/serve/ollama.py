@@ -399,7 +399,7 @@ def details(served: Served) -> dict[str, Any]:
     c = served.engine.config
     path = str(served.engine.source).removesuffix(")")  # a path, or "NAME (path)"
     fmt = "gguf" if path.endswith(".gguf") else "kst" if path.endswith(".kst") else "safetensors"
-    params = sum(w.n * w.k for w in _tensors(served))
+    params = served.parameter_count
     return {"parent_model": "", "format": fmt, "family": c.arch, "families": [c.arch],
             "parameter_size": f"{params / 1e9:.1f}B" if params >= 1e8 else f"{params / 1e6:.1f}M",
             "quantization_level": model_quant(served.engine.model).upper()}
@@ -431,7 +431,7 @@ def show_model(served: Served) -> dict[str, Any]:
     """``/api/show``: the details, the chat template, the architecture's figures and the capabilities."""
     c = served.engine.config
     info = {"general.architecture": c.arch, "general.basename": served.model_name,
-            f"{c.arch}.context_length": c.max_position,
+            "general.parameter_count": served.parameter_count, f"{c.arch}.context_length": c.max_position,
             f"{c.arch}.embedding_length": c.hidden_size, f"{c.arch}.block_count": c.num_layers,
             f"{c.arch}.attention.head_count": c.num_heads, f"{c.arch}.attention.head_count_kv": c.num_kv_heads}
     parameters = "\n".join(f"{OLLAMA_NAMES.get(k, k)} {v:g}" for k, v in served.engine.sampling_defaults.items())

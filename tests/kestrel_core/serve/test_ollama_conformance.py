@@ -5,8 +5,10 @@ send (ids of earlier calls, ``raw`` with ``system``, ``format`` with ``raw``).""
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import ollama
@@ -14,13 +16,15 @@ import openai
 import pytest
 
 from kestrel_core.model.async_engine import AsyncEngine
-from kestrel_core.serve.app import Models
-from kestrel_core.serve.ollama import card
+from kestrel_core.serve import app
+from kestrel_core.serve.app import Models, Served
+from kestrel_core.serve.ollama import card, show_model
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import http, scripted_ollama
 from .tool_calls import PARIS, THINKING_TEMPLATE, TIME, WEATHER, _call
 
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 NAME = "tiny"
 HI = [{"role": "user", "content": "Hi"}]
 GREEDY = {"temperature": 0, "num_predict": 12}
@@ -178,6 +182,28 @@ def test_models_are_listed_with_ollamas_fields(ol: ollama.Client, engine: Any, a
     assert running.size_vram == 0 and running.size == listed.size > 0
     monkeypatch.setattr(engine.backend, "info", replace(engine.backend.info, kind="gpu"))
     assert ol.ps().models[0].size_vram == listed.size
+
+
+def _checkpoint_parameters(path: Path) -> int:
+    """The elements of every tensor a safetensors file's header lists (its 8-byte length, then its JSON)."""
+    with path.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+
+
+def test_show_gives_the_parameter_count_that_ollamas_cli_prints(ol: ollama.Client, async_engine: AsyncEngine,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ollama show`` prints ``general.parameter_count`` as the model's "parameters" (where ``details`` has no
+    ``parameter_size``): every tensor's elements, the tied lm_head once, counted once per model."""
+    want = _checkpoint_parameters(FIXTURES / "tiny-qwen3" / "model.safetensors")
+    assert want == 328_512  # the 512x64 embedding, 3 layers of 7 projections and 4 norms, the final norm
+    shown = ol.show(NAME)
+    assert shown.modelinfo["general.parameter_count"] == want and shown.details.parameter_size == "0.3M"
+    counted: list[Any] = []
+    monkeypatch.setattr(app, "parameter_count", lambda model: counted.append(model) or want)
+    served = Served(async_engine, "again")
+    assert [show_model(served)["model_info"]["general.parameter_count"] for _ in range(2)] == [want] * 2
+    assert card(served)["details"]["parameter_size"] == "0.3M" and len(counted) == 1
 
 
 # each turn between tags, the answer's opened after the last (written for this test)
