@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
@@ -191,32 +190,11 @@ async def _translate(answer: _Answer, response: Response) -> Response:
                         "application/x-ndjson")
 
 
-def _loaded(answer: _Answer, keep_alive: Any) -> JSONResponse:
+def _loaded(answer: _Answer, keep_alive: int | None) -> JSONResponse:
     """The answer to a request with nothing to generate, which clients send to load a model (or, with a
-    ``keep_alive`` of zero, to unload it): the model is loaded for as long as the server runs."""
-    reason = "unload" if _is_zero_duration(keep_alive) else "load"
+    ``keep_alive`` of zero nanoseconds, to unload it): the model is loaded for as long as the server runs."""
+    reason = "unload" if keep_alive == 0 else "load"
     return JSONResponse({**answer.part(done=True), "done_reason": reason})
-
-
-GO_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-GO_DURATION = re.compile(rf"[-+]?(?:{GO_DURATION_PART.pattern})+")
-NANOSECONDS = {"ns": 1, "us": 10**3, "µs": 10**3, "μs": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9,
-               "h": 3600 * 10**9}
-
-
-def _is_zero_duration(keep_alive: Any) -> bool:
-    """Whether ``keep_alive`` is a duration of zero as Ollama reads one: seconds as a number, or Go's duration
-    text ("0", "0s", "0m"...)."""
-    if isinstance(keep_alive, (int, float)) and not isinstance(keep_alive, bool):
-        return 0 <= keep_alive < 1e-9
-    if not isinstance(keep_alive, str):
-        return False
-    if keep_alive == "0":
-        return True
-    if not GO_DURATION.fullmatch(keep_alive):
-        return False
-    return all(int(float(number) * NANOSECONDS[unit]) == 0 for number, unit in
-               GO_DURATION_PART.findall(keep_alive))
 
 
 def _context_ids(served: Served, context: list[int] | None) -> list[int]:

@@ -1,15 +1,19 @@
 """Ollama's requests (``/api/*``), read as Ollama's Go server reads them, and their translation into the OpenAI
 requests kestrel answers (serve/ollama.py has the routes and the answers).
 
-A field sent as null is one not sent; an integer option may come as an integral number; a sampling option not given
-takes the model's recommendation, else Ollama's default, and one past its sampler's range is read as Ollama's
-sampler reads it. Each call in the messages gets an id made from where it stands, in the shape the template takes;
-a client's ids (Ollama's answers give them) say which call a result answers. A last assistant message is continued.
+A field sent as null is one not sent; an integer option may come as any number, its fraction dropped (Go's
+conversion); ``keep_alive`` is seconds or Go's duration text, refused in Go's words otherwise; a sampling option
+not given takes the model's recommendation, else Ollama's default, and one past its sampler's range is read as
+Ollama's sampler reads it. Each call in the messages gets an id made from where it stands, in the shape the
+template takes; a client's ids (Ollama's answers give them) say which call a result answers. A last assistant
+message is continued.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -37,12 +41,19 @@ def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
-def _whole_number(value: Any) -> Any:
-    """An integral float as the integer it is: Ollama reads its options from a JSON object, where 3.0 is 3."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+MAX_INT64 = (1 << 63) - 1
 
 
-OptionInt = Annotated[StrictInt, BeforeValidator(_whole_number)]
+def _go_int(value: Any) -> Any:
+    """A number as the integer Ollama's ``Options.FromMap`` makes of it: JSON's numbers reach it as float64, which
+    Go converts to int by dropping the fraction (2.7 is 2, -1.5 is -1). One past int64's range is held to it, as
+    arm64 converts (amd64's conversion gives the lowest int64 either way; Go leaves it to the platform)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return value
+    return max(-MAX_INT64 - 1, min(MAX_INT64, int(value)))
+
+
+OptionInt = Annotated[StrictInt, BeforeValidator(_go_int)]
 THINK_LEVELS = ("high", "medium", "low", "max")  # in the order Ollama's error lists them
 # the type of each of Ollama's options (its api.Options and api.Runner), as its Options.FromMap checks them
 OPTION_TYPES = {**dict.fromkeys(("num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "num_ctx", "num_batch",
@@ -103,13 +114,114 @@ class Message(OllamaBody):
     tool_call_id: StrictStr | None = None
 
 
-class GenerationBody(OllamaBody):
+GO_UNITS = {"ns": 1, "us": 10**3, "µs": 10**3, "μs": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9,
+            "h": 3600 * 10**9}  # Go's time.ParseDuration's units, in nanoseconds
+DIGITS = re.compile(r"[0-9]*")
+UNIT = re.compile(r"[^.0-9]*")
+
+
+def _go_quote(text: str) -> str:
+    """``text`` quoted as Go's time package quotes it in its errors: a control or non-ASCII character as its UTF-8
+    bytes in \\x escapes, ``"`` and ``\\`` escaped."""
+    out = []
+    for ch in text:
+        if ch < " " or not ch.isascii():
+            out.append("".join(f"\\x{b:02x}" for b in ch.encode()))
+        else:
+            out.append("\\" + ch if ch in '"\\' else ch)
+    return '"' + "".join(out) + '"'
+
+
+def go_duration(text: str) -> int:
+    """Go's ``time.ParseDuration``: ``text`` in nanoseconds (signed decimal numbers, each with a unit: "300ms",
+    "-1.5h", "2h45m"), else a ValueError in its words."""
+    def invalid() -> ValueError:
+        return ValueError(f"time: invalid duration {_go_quote(text)}")
+
+    s, neg, total = text, False, 0
+    if s[:1] in ("-", "+"):
+        neg, s = s[0] == "-", s[1:]
+    if s == "0":
+        return 0
+    if not s:
+        raise invalid()
+    while s:
+        if not (s[0] == "." or "0" <= s[0] <= "9"):
+            raise invalid()
+        digits = DIGITS.match(s).group()  # type: ignore[union-attr]
+        s = s[len(digits):]
+        whole = int(digits or "0")
+        if whole > 1 << 63:
+            raise invalid()
+        fraction, scale, places = 0, 1.0, ""
+        if s.startswith("."):
+            places = DIGITS.match(s, 1).group()  # type: ignore[union-attr]
+            s = s[1 + len(places):]
+            for digit in places:  # the digits past int64's range add no precision, as Go's leadingFraction
+                more = fraction * 10 + int(digit)
+                if fraction > MAX_INT64 // 10 or more > 1 << 63:
+                    break
+                fraction, scale = more, scale * 10
+        if not digits and not places:
+            raise invalid()
+        unit = UNIT.match(s).group()  # type: ignore[union-attr]
+        s = s[len(unit):]
+        if not unit:
+            raise ValueError(f"time: missing unit in duration {_go_quote(text)}")
+        if unit not in GO_UNITS:
+            raise ValueError(f"time: unknown unit {_go_quote(unit)} in duration {_go_quote(text)}")
+        if whole > (1 << 63) // GO_UNITS[unit]:
+            raise invalid()
+        whole *= GO_UNITS[unit]
+        if fraction:
+            whole += int(fraction * (GO_UNITS[unit] / scale))  # float64, as Go computes it
+            if whole > 1 << 63:
+                raise invalid()
+        total += whole
+        if total > 1 << 63:
+            raise invalid()
+    if not neg and total > MAX_INT64:
+        raise invalid()
+    return -total if neg else total
+
+
+def _keep_alive(value: Any) -> int:
+    """``keep_alive`` in nanoseconds, as Ollama's ``api.Duration`` reads it: a number is seconds, a string Go's
+    duration text, and either one below zero is forever (the largest duration); anything else is refused in its
+    words (``Unsupported type: 'bool'``)."""
+    if isinstance(value, str):
+        try:
+            ns = go_duration(value)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="keep_alive") from None
+        return MAX_INT64 if ns < 0 else ns
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        ns = value * 1e9  # Go's float64 seconds times time.Second
+        return MAX_INT64 if value < 0 or not ns < MAX_INT64 else int(ns)
+    go_type = "bool" if isinstance(value, bool) else "[]interface {}" if isinstance(value, list) \
+        else "map[string]interface {}"
+    raise APIError(400, f"Unsupported type: '{go_type}'", param="keep_alive")
+
+
+class KeepAliveBody(OllamaBody):
+    """A request that may say how long the model stays loaded after it (``keep_alive``, in nanoseconds; None: not
+    said). Ollama reads it before anything else of the request, and a model stays loaded here while the server
+    runs: what it changes is the answer to a request with nothing to generate (``done_reason`` "unload")."""
+
+    keep_alive: int | None = None
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> int:
+        return _keep_alive(value)
+
+
+class GenerationBody(KeepAliveBody):
     model: StrictStr = ""  # none: chat's 400 (``model_required``), generate's 404, as Ollama answers them
     format: Any = None  # "json", a JSON Schema; "": none, as Ollama reads it (``response_format``)
     options: Options | None = None
     stream: StrictBool = True
     think: StrictBool | Literal["low", "medium", "high", "max"] | None = None  # a level: the reasoning effort
-    keep_alive: Any = None  # a model stays loaded while the server runs
     logprobs: StrictBool = False
     top_logprobs: StrictInt = 0  # each token's alternatives
 
@@ -214,14 +326,14 @@ class GenerateBody(GenerationBody):
     context: list[StrictInt] | None = None
 
 
-class EmbedBody(OllamaBody):
+class EmbedBody(KeepAliveBody):
     model: StrictStr = ""  # none: the 404 of a model not found, as Ollama answers it
     input: StrictStr | list[StrictStr] = ""  # none: what clients send to load the model
     truncate: StrictBool = True
     dimensions: StrictInt | None = None  # 0 or past the model's size: none, as Ollama ignores it
 
 
-class LegacyEmbeddingsBody(OllamaBody):
+class LegacyEmbeddingsBody(KeepAliveBody):
     model: StrictStr = ""  # none: as Ollama answers it (``model_required``)
     prompt: StrictStr = ""
 

@@ -229,21 +229,43 @@ def test_inputs_are_read_as_ollama_reads_them(ol: ollama.Client, server: Kestrel
                 {"messages": turns}),
                ({"messages": turns[:1], "options": {"temperature": 0, "num_predict": 12.0, "top_k": 2.0, "seed": 7.0,
                                                     "top_p": None}},
-                {"messages": turns[:1], "options": {"temperature": 0, "num_predict": 12, "top_k": 2, "seed": 7}})]
+                {"messages": turns[:1], "options": {"temperature": 0, "num_predict": 12, "top_k": 2, "seed": 7}}),
+               # an integer option's fraction is dropped, as Go converts Ollama's float64 to int
+               ({"messages": turns[:1], "options": {"temperature": 0.5, "num_predict": 12.9, "top_k": 2.7,
+                                                    "seed": 7.99}},
+                {"messages": turns[:1], "options": {"temperature": 0.5, "num_predict": 12, "top_k": 2, "seed": 7}})]
     for given, plain in lenient:
         got, want = chat(given), chat({"options": GREEDY, **plain})
         assert (got["message"], got["prompt_eval_count"]) == (want["message"], want["prompt_eval_count"]), given
-    status, _, raw = http("POST", f"{server.url}/api/chat",
-                          {"model": "tiny", "stream": False, "messages": HI, "options": {"top_k": 3.5}})
-    assert status == 400 and "options.top_k" in json.loads(raw)["error"]
+    for fraction, tokens in ((1.5, 1), (2.999, 2)):  # not rounded
+        assert chat({"messages": HI, "options": {"num_predict": fraction}})["eval_count"] == tokens
 
 
 @pytest.mark.parametrize(("keep_alive", "reason"), [(0, "unload"), ("0", "unload"), ("0s", "unload"), ("0m", "unload"),
-                                                    ("0h0.0m", "unload"), ("5m", "load"), (-1, "load"), (None, "load")])
+                                                    ("0h0.0m", "unload"), (1e-10, "unload"), ("0.9ns", "unload"),
+                                                    ("5m", "load"), ("1ns", "load"), (-1, "load"), (-1.5, "load"),
+                                                    ("-1m", "load"), (None, "load")])
 def test_a_keep_alive_of_zero_in_any_of_gos_spellings_unloads(ol: ollama.Client, keep_alive: Any,
                                                               reason: str) -> None:
     assert ol.generate(model="tiny", prompt="", keep_alive=keep_alive).done_reason == reason
     assert ol.chat(model="tiny", messages=[], keep_alive=keep_alive).done_reason == reason
+
+
+@pytest.mark.parametrize(("keep_alive", "error"), [
+    # Ollama's Duration.UnmarshalJSON: a string is Go's time.ParseDuration's, in its words
+    ("forever", 'time: invalid duration "forever"'), ("10x", 'time: unknown unit "x" in duration "10x"'),
+    ("-1", 'time: missing unit in duration "-1"'), ("", 'time: invalid duration ""'),
+    ("1.5 h", 'time: unknown unit " h" in duration "1.5 h"'),
+    ("3000000h", 'time: invalid duration "3000000h"'),  # past int64's nanoseconds
+    (True, "Unsupported type: 'bool'"), ([5], "Unsupported type: '[]interface {}'"),
+    ({"m": 5}, "Unsupported type: 'map[string]interface {}'")])
+@pytest.mark.parametrize("route", ["chat", "generate", "embed", "embeddings"])
+def test_a_bad_keep_alive_is_ollamas_400(server: KestrelServer, route: str, keep_alive: Any, error: str) -> None:
+    body = {"chat": {"messages": HI}, "generate": {"prompt": "Hi"}, "embed": {"input": "Hi"},
+            "embeddings": {"prompt": "Hi"}}[route]
+    status, _, raw = http("POST", f"{server.url}/api/{route}",
+                          {"model": "tiny", "stream": False, "keep_alive": keep_alive, **body})
+    assert (status, json.loads(raw)) == (400, {"error": error})
 
 
 def test_a_name_in_another_case_names_a_model_only_where_it_is_the_one(async_engine: AsyncEngine) -> None:
