@@ -37,7 +37,7 @@ _EXPORTS = {
     "rope_inv_freq": "kestrel_core.model.rope", "rope_tables": "kestrel_core.model.rope",
     "PROJ_GROUPS": "kestrel_core.wkey", "ProjGroup": "kestrel_core.wkey", "wkey_expert": "kestrel_core.wkey",
     "AsyncEngine": "kestrel_core.model.async_engine",
-    "Engine": "kestrel_core.model.engine", "Step": "kestrel_core.model.engine",
+    "Engine": "kestrel_core.model.engine", "Step": "kestrel_core.model.step",
     "load": "kestrel_core.model.engine_load",
     "SamplingParams": "kestrel_core.model.sampling", "TokenLogprob": "kestrel_core.model.sampling",
     "EmbedJob": "kestrel_core.model.embed", "POOLINGS": "kestrel_core.model.config",
@@ -73,7 +73,6 @@ if TYPE_CHECKING:  # what type checkers see of the names imported on first use (
     from kestrel_core.model.config import POOLINGS as POOLINGS
     from kestrel_core.model.embed import EmbedJob as EmbedJob
     from kestrel_core.model.engine import Engine as Engine
-    from kestrel_core.model.engine import Step as Step
     from kestrel_core.model.engine_load import load as load
     from kestrel_core.model.grammar import json_schema_grammar as json_schema_grammar
     from kestrel_core.model.grammar import lark_grammar as lark_grammar
@@ -85,6 +84,7 @@ if TYPE_CHECKING:  # what type checkers see of the names imported on first use (
     from kestrel_core.model.sampling import TokenLogprob as TokenLogprob
     from kestrel_core.model.scheduler import Scheduler as Scheduler
     from kestrel_core.model.scoring import Scoring as Scoring
+    from kestrel_core.model.step import Step as Step
     from kestrel_core.model.weights import PREFILL_CHUNK as PREFILL_CHUNK
     from kestrel_core.model.weights import ExpertWeights as ExpertWeights
     from kestrel_core.model.weights import LayerWeights as LayerWeights

@@ -74,6 +74,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING, policy: str = FCFS) -> None:
+        engine.check_open()  # its thread would run calls (``call``) on closed backends
         self.engine = engine
         self.scheduler = Scheduler(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting,
                                    policy=policy)

@@ -23,6 +23,7 @@ import numpy as np
 from kestrel_core.dispatch import all_finite
 from kestrel_core.errors import InvalidRequest, KestrelError, NonFiniteLogits, Overloaded, invalid_request
 from kestrel_core.model.config import POOLINGS
+from kestrel_core.model.driver import Driver, driving
 from kestrel_core.model.validate import is_int
 from kestrel_core.model.weights import PREFILL_CHUNK
 
@@ -75,6 +76,10 @@ class EmbedJob:
         self._pending = deque(range(len(self.inputs)))  # the inputs not started, in order
 
     @property
+    def driver(self) -> Driver:
+        return self.engine.driver  # type: ignore[no-any-return]
+
+    @property
     def done(self) -> bool:
         return not self._pending and not self._running
 
@@ -87,10 +92,13 @@ class EmbedJob:
         """Tokens of input ``index`` that its vector depends on: a causal decoder's first row sees one."""
         return 1 if self.pooling == "cls" else len(self.inputs[index])
 
+    @driving
     def step(self) -> None:
         """Run up to ``budget`` tokens: the next chunks of the running inputs, then inputs not started yet.
-        Overloaded when the KV cache has no room for any of them now (the job keeps what it has)."""
+        Overloaded when the KV cache has no room for any of them now (the job keeps what it has); a KestrelError
+        once the engine is closed."""
         engine, pool = self.engine, self.engine.pool
+        engine.check_open()
         budget = self.budget
         work: list[tuple[int, Any, list[int], int]] = []  # (index, seq, tokens, rows)
         waiting = False  # a running input lacks blocks: a second one started now could hold what it needs
@@ -146,11 +154,13 @@ class EmbedJob:
             raise KestrelError("the embeddings are not computed yet")
         return np.stack(self._vectors)  # type: ignore[arg-type]
 
+    @driving
     def pause(self) -> None:
         """Give back the KV blocks of the inputs running: they run again from their start at a later step."""
         self._pending.extendleft(sorted(self._running, reverse=True))
         self.close()
 
+    @driving
     def close(self) -> None:
         """Free the KV blocks of the inputs still running (a job given up halfway)."""
         for seq in self._running.values():

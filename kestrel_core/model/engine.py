@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kestrel_core.batch import BatchEntry, greedy_token
-from kestrel_core.dispatch import Deferred, Offload, all_finite
+from kestrel_core.batch import BatchEntry
+from kestrel_core.dispatch import Offload, all_finite
 from kestrel_core.errors import ContextExceeded, InvalidRequest, KestrelError, NonFiniteLogits, Overloaded
 from kestrel_core.model.config import SAMPLING_FIELDS
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
+from kestrel_core.model.driver import Driver, driving
 from kestrel_core.model.embed import EmbedJob
 from kestrel_core.model.grammar import Constraint, grammar_vocab
 from kestrel_core.model.harmony import is_harmony
@@ -33,6 +34,7 @@ from kestrel_core.model.kv_pool import KVPool, SeqCache
 from kestrel_core.model.rerank import gives_no_text
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.scoring import check_top
+from kestrel_core.model.step import Step
 from kestrel_core.model.validate import is_int, is_token_ids
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Backend, Registry
@@ -76,50 +78,6 @@ class SeqState:
 FED = -1  # the placeholder token of a fed BatchEntry
 
 
-class Step:
-    """One started ``Engine.start_batch`` step; ``result()`` (once) gives its outputs, as ``run_batch`` does.
-    ``after``: the step that was still running when this one started (its fed rows take that one's tokens)."""
-
-    def __init__(self, engine: Engine, runs: list[tuple[SeqState, np.ndarray, int]], entries: list[BatchEntry],
-                 batched: list[np.ndarray] | Deferred | None, after: Step | None = None) -> None:
-        self._engine: Engine | None = engine
-        self._runs, self._entries, self._batched, self._after = runs, entries, batched, after
-        self._outs: list[np.ndarray] | None = None  # once taken
-        self.on_device = False  # once taken: whether the backend's batched step gave every output
-
-    @property
-    def running(self) -> bool:
-        """Whether the backend is still running it on its device (the caller may do other work meanwhile)."""
-        return isinstance(self._batched, Deferred)
-
-    def ends(self) -> dict[int, tuple[int, int, bool]]:
-        """Each sequence's (positions after this step, tokens it adds, whether its next token may be fed: its
-        last row's argmax is chosen on the device)."""
-        return {e.seq_id: (e.end, len(new), e.argmax_only and e.logit_rows > 0)
-                for (_, new, _), e in zip(self._runs, self._entries)}
-
-    def result(self) -> list[np.ndarray]:
-        if self._engine is None:
-            raise RuntimeError("a step's result is taken once")
-        engine, self._engine = self._engine, None
-        batched = self._batched.result() if isinstance(self._batched, Deferred) else self._batched
-        after = self._after
-        if after is not None:
-            if after._outs is None:
-                raise KestrelError("the step before a fed step failed")
-            # the fed tokens: the step before's outputs; if the device did not give them all, its own fed rows
-            # ran on tokens the engine did not keep, so the host recomputes this step as well
-            chosen = {e.seq_id: greedy_token(out) for e, out in zip(after._entries, after._outs) if e.logit_rows}
-            for (seq, new, _), e in zip(self._runs, self._entries):
-                if e.fed:
-                    new[0] = chosen[seq.seq_id]
-        device = after is None or after.on_device
-        self._outs = engine._finish_batch(self._runs, self._entries, batched if device else None, device)
-        self.on_device = batched is not None
-        self._after = None
-        return self._outs
-
-
 class Engine:
     """A model bound to a backend (the CPU computes whatever the backend declines)."""
 
@@ -134,6 +92,7 @@ class Engine:
         self.source = source
         self.offload = Offload(backend, cpu)
         self.closed = False  # ``close()``: its backends are closed, it takes no more requests
+        self.driver = Driver()  # the thread driving it now (kestrel_core.model.driver)
         self._on_close: list[Callable[[], None]] = []
         self.activations = resolve_activations(activations, backend)
         self.forward_supported = self.offload.forward_supports(model)  # whether whole steps are offered at all
@@ -273,6 +232,7 @@ class Engine:
         backend did not say at load that they cannot run the model (``kestrel_forward_supports``)."""
         return self.activations == "q8" and self.forward_supported
 
+    @driving
     def new_sequence(self, prompt_len: int = 0, tokens: Sequence[int] = (), resumed: bool = False) -> SeqState:
         """A new sequence whose first ``prompt_len`` tokens are its prompt (float32 in "mixed" mode). With ``tokens``
         (the prompt, and those generated before a preemption: ``resumed``), the longest cached prefix of the prompt
@@ -287,6 +247,7 @@ class Engine:
                 seq.device_len = seq.shared = attached
         return seq
 
+    @driving
     def rewind(self, seq: SeqState, length: int) -> None:
         """Forget a sequence's positions from ``length`` on (draft tokens the model did not confirm), where
         ``rewinds``: the backend that runs the steps computes them again from its next entry's start."""
@@ -294,6 +255,7 @@ class Engine:
         seq.cache.truncate(length)
         seq.device_len = min(seq.device_len, length)
 
+    @driving
     def device_ran_ahead(self, seq: SeqState) -> None:
         """The device may hold positions of ``seq`` past ``device_len`` (its pipelined greedy decode was left after
         running ahead, or its step's result was refused). A backend that computes positions again from an earlier
@@ -304,6 +266,7 @@ class Engine:
             self.offload.release_sequence(seq.seq_id)
             seq.device_len = seq.shared
 
+    @driving
     def release(self, seq: SeqState) -> None:
         """Forget a sequence: its device state and its host KV blocks."""
         self.offload.release_sequence(seq.seq_id)
@@ -325,6 +288,7 @@ class Engine:
         return (self.whole_step and not self.offload.on_cpu and info is not None and tuple(info.api_version) >= (1, 4)
                 and self.backend.implements("kestrel_forward_batch"))
 
+    @driving
     def start_batch(self, work: Sequence[tuple[SeqState, Sequence[int] | None, int]],
                     argmax_only: Sequence[bool] = (), after: Step | None = None) -> Step | None:
         """``run_batch``, started: the backend's batched step may still be running on its device when this
@@ -420,10 +384,14 @@ class Engine:
                                         keep_state=written <= self.state_end(seq.cache.prompt_len))
         return outs  # type: ignore[return-value]
 
-    def check_ids(self, ids: Sequence[int], what: str) -> list[int]:
-        """``ids`` as a list of token ids in the vocabulary and the context, for a request on this open engine."""
+    def check_open(self) -> None:
+        """A KestrelError once the engine is closed (``close``)."""
         if self.closed:
             raise KestrelError("the engine is closed")
+
+    def check_ids(self, ids: Sequence[int], what: str) -> list[int]:
+        """``ids`` as a list of token ids in the vocabulary and the context, for a request on this open engine."""
+        self.check_open()
         if not is_token_ids(ids):
             raise KestrelError(f"the {what} must be a sequence of token ids (integers; text goes through "
                                f"engine.tokenizer.encode first), got {type(ids).__name__}")
@@ -445,6 +413,7 @@ class Engine:
         if self.config.pooling is not None:
             raise InvalidRequest(gives_no_text(self.config), param="model")
 
+    @driving
     def embed(self, inputs: Sequence[Sequence[int]], *, pooling: str | None = None,
               dimensions: int | None = None) -> np.ndarray:
         """Each token sequence's embedding, float32 [inputs, dimensions or D] (kestrel_core.model.embed): pooled
@@ -460,12 +429,14 @@ class Engine:
         self.last = RunStats(prompt_tokens=job.prompt_tokens, prefill_s=time.perf_counter() - t0)
         return job.result()
 
+    @driving
     def logits(self, token_ids: Sequence[int], prompt_len: int | None = None) -> np.ndarray:
         """Teacher-forced logits of the whole sequence: float32 [T, vocab]. In "mixed" mode the first
         ``prompt_len`` tokens (default: all) run as a prompt, the rest as generated tokens would."""
         outs = list(self._chunk_logits(token_ids, prompt_len))
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
 
+    @driving
     def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob]:
         """Each token after the first, scored by the logits before it (a prompt's logprobs, as the sampler
         reports a generated token's: the log-softmax, with the ``top`` likeliest alternatives), a prefill chunk

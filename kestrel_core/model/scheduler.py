@@ -32,23 +32,26 @@ the tokens before it), so they are not the backend's pipelined greedy decode.
 A ``Scoring`` request (kestrel_core.model.scoring) scores its prompt's tokens instead of generating: its prompt runs
 as a prompt's chunks do, each chunk's logits of every row coming back.
 
-The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``Engine.generate``).
+The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``Engine.generate``), and one thread
+at a time drives the engine under it (kestrel_core.model.driver): another thread's scheduler over it is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from kestrel_core.errors import InvalidRequest, Overloaded
+from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model import scoring
 from kestrel_core.model.detokenize import TextStream
+from kestrel_core.model.drafting import Drafting
+from kestrel_core.model.driver import Hold
 from kestrel_core.model.grammar import Constraint, prepare_masks
 from kestrel_core.model.lone_decode import LoneDecode
 from kestrel_core.model.request import FINISHED, RUNNING, WAITING, Request, RequestOutput, checked_prompt
@@ -72,7 +75,7 @@ def default_token_budget(max_batch: int) -> int:
     return PREFILL_CHUNK + max_batch
 
 
-class Scheduler(LoneDecode):
+class Scheduler(LoneDecode, Drafting):
     """Requests in, one batched step at a time, ``RequestOutput``s out (``token_budget``: default_token_budget's;
     ``policy``: fcfs or priority, kestrel_core.model.request_queue)."""
 
@@ -104,12 +107,14 @@ class Scheduler(LoneDecode):
         self._start_error: Exception | None = None  # starting the next step failed: the next step() raises it
         self._held: list[Any] = []  # sequences of ended requests that the running step still uses
         self.on_start: Callable[[], None] | None = None  # called before each step is scheduled
+        self._ahead = Hold(engine.driver)  # the engine, while a lone greedy decode runs ahead (``_driving``)
 
     # -- requests ------------------------------------------------------------------------------------
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams | Scoring, priority: int = 0) -> list[int]:
         """The prompt's token ids as a list; InvalidRequest for a request that can never run, or a priority the
-        policy does not take (before it queues)."""
+        policy does not take (before it queues); a KestrelError once the engine is closed."""
+        self.engine.check_open()
         checked_priority(self.policy, priority)
         if isinstance(params, Scoring):
             return scoring.checked_scoring(self.engine, self.pool, prompt_ids, params)
@@ -142,20 +147,51 @@ class Scheduler(LoneDecode):
         return request
 
     def close(self) -> None:
-        """Abort every request and finish the step still running on the device (a failure of it is logged)."""
-        for request in list(self.waiting) + list(self.running):
-            self._finish(request, "abort")
-        try:
-            self.drain()
-        except Exception as exc:
-            log.warning("kestrel: the last step failed: %s", exc)
+        """Abort every request and finish the step still running on the device (a failure of it is logged; on a
+        closed engine, left)."""
+        if self.engine.closed:
+            self._end_all()
+            return
+        with self._driving():
+            for request in list(self.waiting) + list(self.running):
+                self._finish(request, "abort")
+            try:
+                self.drain()
+            except Exception as exc:
+                log.warning("kestrel: the last step failed: %s", exc)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its sequence; the next step reports its end ("abort", with its held text)."""
         request = self.requests.get(request_id)
         if request is not None and not request.finished:
-            self._finish(request, "abort")
+            with self._driving():
+                self._finish(request, "abort")
             self._ended.append(request)
+
+    @contextlib.contextmanager
+    def _driving(self) -> Iterator[None]:
+        """The engine driven by this thread while the scheduler works (kestrel_core.model.driver), and held for it
+        after, while a lone greedy decode runs steps ahead on the device (LoneDecode): another thread's step would
+        change what that reads. A step the device still runs holds the engine itself (``Step``)."""
+        with self.engine.driver():
+            try:
+                yield
+            finally:
+                self._ahead.set(self, any(r._device_tokens is not None for r in self.running))
+
+    def _end_all(self) -> int:
+        """On a closed engine: every request ends ("abort") and its sequence is freed, the step on the device left
+        untaken (its backends are closed); how many requests there were."""
+        started, self._running_step = self._running_step, None
+        if started is not None:
+            started[1].forget()
+        requests = list(self.waiting) + list(self.running)
+        for request in requests:
+            self._finish(request, "abort")
+        self._release_held()
+        self._ended, self._start_error = [], None
+        self._ahead.set(self, False)
+        return len(requests)
 
     @property
     def _busy(self) -> bool:  # anything but waiting requests: running ones, ends to report, a step or its error
@@ -186,7 +222,16 @@ class Scheduler(LoneDecode):
     # -- one step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batched step; the outputs of every request that got a token or finished."""
+        """Run one batched step; the outputs of every request that got a token or finished. A KestrelError once
+        the engine is closed: the requests under way end ("abort") as a stream's do (``Engine.close``)."""
+        if self.engine.closed:
+            ended = self._end_all()
+            raise KestrelError(f"the engine was closed while {ended} request(s) ran; they are aborted" if ended
+                               else "the engine is closed")
+        with self._driving():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if self._running_step is None and self._device_step_possible():
             return self._ended_outputs() + self._device_step(self.running[0])
         started, self._running_step = self._running_step, None
@@ -215,6 +260,13 @@ class Scheduler(LoneDecode):
         """Finish the step still running on the device, if one is, starting none: its outputs (the engine is
         then free for other work, which may change what the device holds: a pipelined greedy decode is left, its
         step ahead computed again). Raises what that step raised."""
+        if self.engine.closed:
+            self._end_all()
+            return []
+        with self._driving():
+            return self._drain()
+
+    def _drain(self) -> list[RequestOutput]:
         for request in self.running:
             if request._device_tokens is not None:
                 self._drop_device(request, offer_again=True)
@@ -255,23 +307,6 @@ class Scheduler(LoneDecode):
                 request.error = exc
                 self._ended.append(request)
         return tokens
-
-    def _take_draft(self, request: Request, out: np.ndarray) -> list[tuple[int, TokenLogprob | None]]:
-        """A speculative step's tokens: each row's argmax while the draft agrees with the one before, and the
-        first that disagrees (or the row after the whole draft); the positions of the guesses it did not keep
-        are rewound."""
-        draft, request.draft = request.draft, []
-        sampled: list[tuple[int, TokenLogprob | None]] = []
-        for j in range(len(draft) + 1):
-            sampled.append(self._accept(request, self._sample(request, out[j])))
-            if request.finished or j == len(draft) or sampled[-1][0] != draft[j]:
-                break
-        kept = len(sampled) - 1  # guesses confirmed: the inputs of the rows after them were right
-        self.accepted += kept
-        self.guesser.checked(request, kept)
-        if not request.finished:
-            self.engine.rewind(request.seq, len(request.seq.tokens) - (len(draft) - kept))
-        return sampled
 
     def _start(self, before: tuple[list[tuple[Request, list[int] | None, int]], Any] | None = None
                ) -> tuple[list[tuple[Request, list[int] | None, int]], Any] | None:
@@ -320,7 +355,7 @@ class Scheduler(LoneDecode):
         fed, self._running_step = self._running_step, None
         if fed is not None:
             try:
-                with suppress(Exception):
+                with contextlib.suppress(Exception):
                     fed[1].result()
             finally:
                 self._release_held()
@@ -440,41 +475,6 @@ class Scheduler(LoneDecode):
             if request.scoring is not None:
                 return request, tokens, scoring.score_rows(request, done, n)
         return request, tokens, int(n == request.pending)  # logits once the chunk reaches the last token
-
-    def _decoding_greedily(self, request: Request) -> bool:
-        """Whether ``request``'s step may carry a draft (where speculation is on): it decodes greedily, alone."""
-        return request.argmax_only and request.pending == 1 and len(request.seq.tokens) >= len(request.prompt_ids)
-
-    def _would_guess(self, request: Request) -> bool:
-        """Whether the guesser may offer a guess after ``request``'s latest token, with room in max_tokens and
-        context."""
-        if not (self.speculate > 0 and self.engine.rewinds and request.seq is not None
-                and self._decoding_greedily(request) and request.params.max_tokens - len(request.output_ids) > 1
-                and len(request.tokens) + 1 < self.engine.config.max_position):
-            return False
-        return self.guesser.offers(request)
-
-    def _guess(self, work: list[tuple[Request, list[int] | None, int]], budget: int) -> None:
-        """Drafts after the next token of each greedy request of ``work`` (``request.draft``, its chunk then
-        carrying them), asked of the guesser together: up to ``speculate`` tokens within its ``max_tokens`` and
-        the context, then, in ``work``'s order, within the ``budget`` of tokens the step has left and the KV
-        blocks free now (a guess never preempts anyone). The greedy requests whose prompt's last chunk this step
-        runs are the guesser's to read beside it (``Guesser.prefill``), not at their first draft."""
-        self.guesser.prefill([(r, self.speculate) for r, _, rows in work if rows and r.argmax_only
-                              and not self._decoding_greedily(r) and r.params.max_tokens - len(r.output_ids) > 2])
-        asks = [(i, request, min(self.speculate, budget, request.params.max_tokens - len(request.output_ids) - 1,
-                                 self.engine.config.max_position - len(request.tokens) - 1))
-                for i, (request, _, _) in enumerate(work) if self._decoding_greedily(request)]
-        asks = [(i, request, k) for i, request, k in asks if k > 0]
-        drafts = self.guesser.drafts([(request, k) for _, request, k in asks]) if asks else []
-        for (i, request, _), draft in zip(asks, drafts):
-            draft = draft[:budget]
-            checked = len(draft) >= max(1, self.guesser.n_min)  # the budget may cut it short of n_min
-            if checked and self.pool.reserve(request.seq.cache, len(request.seq.tokens) + 1 + len(draft)):
-                request.draft = draft
-                self.drafted += len(draft)
-                work[i] = self._chunk(request, 1 + len(draft))
-                budget -= len(draft)
 
     def _grow(self, request: Request, n: int) -> bool:
         """KV blocks for n more tokens of ``request``, preempting the last running requests (the most recently

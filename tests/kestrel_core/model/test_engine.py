@@ -12,8 +12,6 @@ import kestrel_core
 from kestrel_core.errors import KestrelError, Overloaded
 from kestrel_core.model.presets import synthetic_model
 
-from ..waits import HANG_GUARD_S
-
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "backends"
 
 # A device with a whole-step forward (its own KV cache per sequence, computed by kestrel's own decoder on
@@ -375,29 +373,6 @@ def test_closing_the_engine_ends_its_streams_under_way(model) -> None:
         with pytest.raises(KestrelError, match="the engine was closed while the request ran"):
             next(stream)
     assert engine.pool.free_blocks == engine.pool.num_blocks
-
-
-def test_sequences_made_on_two_threads_at_once_have_their_own_ids(model) -> None:
-    """An AsyncEngine's thread and a caller's (or two callers') make sequences of one engine at once: an id read
-    by both before either counted it on would give a backend's device state to two sequences."""
-    import threading
-
-    with kestrel_core.load(model, backend="cpu") as engine:
-        both_inside = threading.Barrier(2)
-        new_blocks = engine.pool.new_sequence
-
-        def meeting():  # type: ignore[no-untyped-def]
-            both_inside.wait(timeout=HANG_GUARD_S)  # each thread is inside new_sequence when the other is
-            return new_blocks()
-
-        engine.pool.new_sequence = meeting  # type: ignore[method-assign]
-        made: list[int] = []
-        threads = [threading.Thread(target=lambda: made.append(engine.new_sequence().seq_id)) for _ in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    assert sorted(made) == [1, 2]
 
 
 def test_a_model_path_may_be_a_path_object() -> None:
