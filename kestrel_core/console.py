@@ -68,6 +68,13 @@ class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         pass
 
 
+def timed_log_handler() -> logging.Handler:
+    """The server's log handler: one plain line a record on stderr, its time (HH:MM:SS) first."""
+    handler = StderrHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    return handler
+
+
 def log_handler() -> logging.Handler:
     """The command line's log handler: rich's on a terminal, elsewhere (a pipe, a file, a CI log) one plain line a
     record, which rich would wrap at 80 columns."""

@@ -11,7 +11,7 @@ import importlib.util
 import logging
 import os
 
-from kestrel_core.console import StderrHandler
+from kestrel_core.console import timed_log_handler
 from kestrel_core.env import env_str
 from kestrel_core.errors import KestrelError
 
@@ -30,8 +30,7 @@ def _setup_logging(verbose: bool) -> None:
     """Request lines and the startup line go to stderr as plain lines, whatever the CLI's root logging."""
     logger = logging.getLogger("kestrel.serve")
     if not any(getattr(h, "_kestrel_serve", False) for h in logger.handlers):
-        handler = StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        handler = timed_log_handler()
         handler._kestrel_serve = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)

@@ -31,6 +31,7 @@ from typing import Any
 
 import uvicorn
 
+from kestrel_core.console import timed_log_handler
 from kestrel_core.entry import INTERRUPTED_EXIT
 from kestrel_core.errors import KestrelError, os_error
 from kestrel_core.model.async_engine import AsyncEngine
@@ -276,6 +277,28 @@ def frozen_heap() -> Iterator[None]:
             gc.unfreeze()
 
 
+@contextlib.contextmanager
+def default_logging() -> Iterator[None]:
+    """What uvicorn does for its own loggers, where nothing would show the server's records (a program that
+    configured no logging: neither the ``kestrel`` loggers nor the root logger have a handler): the command's
+    stderr handler on ``kestrel.serve``, at INFO where it has no level of its own, while the server runs, so
+    that its startup line and request lines are printed. A program's own logging is left to show them as it
+    configured it, and the command's (``_setup_logging``) is a handler already."""
+    logger = logging.getLogger("kestrel.serve")
+    if logger.hasHandlers():
+        yield
+        return
+    handler, level = timed_log_handler(), logger.level
+    logger.addHandler(handler)
+    if level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def build_server(engines: Mapping[str, AsyncEngine], *, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
                  sock: socket.socket | None = None, pooling: str | None = None,
@@ -309,7 +332,8 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
     from each model's source); ``sock``: a socket bound already (``bind_socket``), e.g. to fail on a busy port
     before loading a model; ``pooling``: the embeddings' (None: each model's); ``max_request_bytes``: the largest
     request body taken (a larger one is a 413); ``allowed_origins``: build_server's; ``scheduling_policy``: the
-    schedulers', fcfs or priority (kestrel_core.model.request_queue)."""
+    schedulers', fcfs or priority (kestrel_core.model.request_queue). Its lines go to stderr where the program
+    configured no logging (``default_logging``)."""
     engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
     for engine in engines:
         if not isinstance(engine, Engine):
@@ -323,29 +347,30 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
             raise KestrelError(f"two models are named {name!r}: give each its own --served-model-name")
         named[name] = AsyncEngine(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting,
                                   policy=scheduling_policy)
-    for ae in named.values():
-        warm_up(ae)
-    raise_open_file_limit()
-    server = build_server(named, host=host, port=port, api_key=api_key, shutdown_grace_s=shutdown_grace_s,
-                          sock=sock, pooling=pooling, max_request_bytes=max_request_bytes,
-                          allowed_origins=allowed_origins)
+    with default_logging():
+        for ae in named.values():
+            warm_up(ae)
+        raise_open_file_limit()
+        server = build_server(named, host=host, port=port, api_key=api_key, shutdown_grace_s=shutdown_grace_s,
+                              sock=sock, pooling=pooling, max_request_bytes=max_request_bytes,
+                              allowed_origins=allowed_origins)
 
-    def announce(s: KestrelServer) -> None:
-        auth = ", API key required" if api_key else ""
-        described = ", ".join(_describe(name, ae.engine, pooling) for name, ae in named.items())
-        log.info("kestrel serve: %s/v1 (%s; max batch %d, %s scheduling%s)", s.url, described, max_batch,
-                 scheduling_policy, auth)
+        def announce(s: KestrelServer) -> None:
+            auth = ", API key required" if api_key else ""
+            described = ", ".join(_describe(name, ae.engine, pooling) for name, ae in named.items())
+            log.info("kestrel serve: %s/v1 (%s; max batch %d, %s scheduling%s)", s.url, described, max_batch,
+                     scheduling_policy, auth)
 
-    server.on_started = announce
-    try:
-        with frozen_heap():  # every model is loaded (serve loads none later) and its kernels warmed up
-            status = server.run_forever()
-    finally:  # a no-op after a drain; after a forced exit it aborts what is left and stops the thread
-        async def stop() -> None:
-            await asyncio.gather(*(ae.shutdown(0.0) for ae in named.values()))
-        asyncio.run(stop())
-    log.info("kestrel serve: stopped")
-    return status
+        server.on_started = announce
+        try:
+            with frozen_heap():  # every model is loaded (serve loads none later) and its kernels warmed up
+                status = server.run_forever()
+        finally:  # a no-op after a drain; after a forced exit it aborts what is left and stops the thread
+            async def stop() -> None:
+                await asyncio.gather(*(ae.shutdown(0.0) for ae in named.values()))
+            asyncio.run(stop())
+        log.info("kestrel serve: stopped")
+        return status
 
 
 def _describe(name: str, engine: Any, pooling: str | None) -> str:

@@ -55,7 +55,7 @@ def test_an_async_engine_over_a_closed_engine_is_refused(model) -> None:
 def test_a_second_thread_driving_the_engine_is_refused(model) -> None:
     """Two threads, each with its own scheduler over one engine: while the first takes the pool's last block
     (checked free, not yet taken), the second's step took it from under it, and the first then failed deep in the
-    pool (KeyError: 'popitem(): dictionary is empty'). The second is refused, naming the first; once the first
+    pool (KeyError: 'dictionary is empty'). The second is refused, naming the first; once the first
     is done, the second drives the engine."""
     one_block = bytes_per_position(model.config) * BLOCK_SIZE / 2 ** 20
     with kestrel_core.load(model, backend="cpu", kv_cache_mb=one_block) as engine:

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import queue
+import re
 import socket
+import subprocess
+import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import ollama
@@ -208,3 +215,48 @@ def answering(served: tuple[Spoken, KestrelServer], *answers: list[str]) -> tupl
     front, server = served
     front.answers[:] = list(answers)
     return front, openai_client(server)
+
+
+class ServeProcess:
+    """``python <args>`` in the repository (a server: the command, or a script) with its output (stdout and stderr)
+    read line by line."""
+
+    def __init__(self, args: Sequence[str]) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "KESTREL_API_KEY"}
+        self.proc = subprocess.Popen([sys.executable, *args], cwd=Path(__file__).resolve().parents[3], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_for(self, pattern: re.Pattern[str] | str, timeout: float = HANG_GUARD_S) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern) if isinstance(pattern, str) else pattern
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                assert self.proc.poll() is None, f"kestrel serve exited {self.proc.returncode}: {self.seen}"
+                continue
+            self.seen.append(line)
+            if m := rx.search(line):
+                return m
+        raise AssertionError(f"no {rx.pattern!r} within {timeout} s: {self.seen}")
+
+    def finish(self, timeout: float = HANG_GUARD_S) -> int:
+        code = self.proc.wait(timeout)
+        self.reader.join(timeout)  # every line read, up to the end of the output
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import openai
@@ -23,7 +19,7 @@ from kestrel_core.serve.app import create_app
 from kestrel_core.serve.server import bind_socket, default_model_name, serve
 
 from ..waits import HANG_GUARD_S, wait_until
-from .helpers import http
+from .helpers import ServeProcess, http
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"
 
@@ -95,49 +91,9 @@ def test_serves_sizes_from_python_are_bounded_as_the_commands(sizes: dict[str, i
         serve(engine, port=0, **sizes)  # type: ignore[arg-type]
 
 
-class _Serve:
+def _Serve(*extra: str) -> ServeProcess:
     """``python -m kestrel_core.cli serve --port 0 --backend cpu`` with its stderr read line by line."""
-
-    def __init__(self, *extra: str) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "KESTREL_API_KEY"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kestrel_core.cli", "serve", "--port", "0", "--backend",
-                                      "cpu", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-
-    def wait_for(self, pattern: re.Pattern[str] | str, timeout: float = HANG_GUARD_S) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        rx = re.compile(pattern) if isinstance(pattern, str) else pattern
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.2)
-            except queue.Empty:
-                assert self.proc.poll() is None, f"kestrel serve exited {self.proc.returncode}: {self.seen}"
-                continue
-            self.seen.append(line)
-            if m := rx.search(line):
-                return m
-        raise AssertionError(f"no {rx.pattern!r} within {timeout} s: {self.seen}")
-
-    def finish(self, timeout: float = HANG_GUARD_S) -> int:
-        code = self.proc.wait(timeout)
-        self.reader.join(timeout)  # every line read, up to the end of the output
-        while not self.lines.empty():
-            self.seen.append(self.lines.get())
-        return code
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+    return ServeProcess(["-m", "kestrel_core.cli", "serve", "--port", "0", "--backend", "cpu", *extra])
 
 
 @pytest.mark.default_model
