@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from kestrel_core.errors import KestrelError, Overloaded, ShuttingDown
+from kestrel_core.model.driver import check_engine
 from kestrel_core.model.embed import EmbedJob
-from kestrel_core.model.request import RequestOutput
+from kestrel_core.model.request import RequestOutput, check_added
 from kestrel_core.model.request_queue import FCFS
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, Scheduler
@@ -74,7 +75,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING, policy: str = FCFS) -> None:
-        engine.check_open()  # its thread would run calls (``call``) on closed backends
+        check_engine(engine, "AsyncEngine")  # a closed one: its thread would run calls (``call``) on closed backends
         self.engine = engine
         self.scheduler = Scheduler(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting,
                                    policy=policy)
@@ -209,6 +210,7 @@ class AsyncEngine:
                  constraint: Constraint | None, places: Places | None = None,
                  priority: int = 0) -> tuple[str, _Client]:
         """``submit`` for ids the scheduler has checked: a place of the capacity, or one of ``places``."""
+        check_added(request_id, constraint)  # before it is a client's
         loop = asyncio.get_running_loop()
         with self._lock:
             if request_id is None:

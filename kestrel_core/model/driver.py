@@ -1,4 +1,4 @@
-"""One thread drives an engine at a time.
+"""Who may drive an engine: an open one, by one thread at a time.
 
 An engine's steps, its KV pool (the free list, the blocks' counts, the prefix cache) and its backends' device state
 take no lock: two threads that each drive an engine through a ``Scheduler`` of their own would take a block twice
@@ -61,6 +61,15 @@ class Driver:
             yield
         finally:
             self.leave()
+
+
+def check_engine(engine: object, what: str) -> None:
+    """A KestrelError unless ``engine`` is an open Engine (``what`` takes it: a Scheduler, an AsyncEngine)."""
+    from kestrel_core.model.engine import Engine  # which drives itself through this module
+
+    if not isinstance(engine, Engine):
+        raise KestrelError(f"{what} takes an Engine (kestrel_core.load), got {type(engine).__name__}")
+    engine.check_open()
 
 
 class Hold:

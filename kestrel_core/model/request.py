@@ -106,6 +106,18 @@ class Request:
         return tokens is not None
 
 
+def check_added(request_id: object, constraint: object) -> None:
+    """InvalidRequest for a request's id that is not text (its outputs and the server's answers name it), or a
+    constraint that is not a grammar's (``Engine.constraint``): its first step would fail inside the sampler."""
+    from kestrel_core.model.grammar import Constraint
+
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidRequest(f"request_id must be a str, got {type(request_id).__name__}", param="request_id")
+    if constraint is not None and not isinstance(constraint, Constraint):
+        raise InvalidRequest(f"constraint must be a Constraint (engine.constraint(grammar)), got "
+                             f"{type(constraint).__name__}", param="constraint")
+
+
 def checked_prompt(engine: Any, pool: Any, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """``prompt_ids`` as a list; InvalidRequest for a request ``engine`` (its KV ``pool``) can never run, before
     it is queued."""

@@ -51,10 +51,10 @@ from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model import scoring
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.drafting import Drafting
-from kestrel_core.model.driver import Hold
+from kestrel_core.model.driver import Hold, check_engine
 from kestrel_core.model.grammar import Constraint, prepare_masks
 from kestrel_core.model.lone_decode import LoneDecode
-from kestrel_core.model.request import FINISHED, RUNNING, WAITING, Request, RequestOutput, checked_prompt
+from kestrel_core.model.request import FINISHED, RUNNING, WAITING, Request, RequestOutput, check_added, checked_prompt
 from kestrel_core.model.request_queue import FCFS, PRIORITY, RequestQueue, checked_priority, outranked, rank
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.scoring import Scoring
@@ -81,6 +81,7 @@ class Scheduler(LoneDecode, Drafting):
 
     def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING, policy: str = FCFS) -> None:
+        check_engine(engine, "Scheduler")
         max_batch = check_int("max_batch", max_batch, 1, MAX_CONCURRENCY)
         max_waiting = check_int("max_waiting", max_waiting, 0, MAX_WAITING)
         token_budget = (default_token_budget(max_batch) if token_budget is None
@@ -127,6 +128,7 @@ class Scheduler(LoneDecode, Drafting):
         (``Engine.constraint``), else built here (a grammar that does not compile is then the InvalidRequest);
         ``priority``: under the priority policy, lower first (kestrel_core.model.request_queue)."""
         prompt_ids = self.check(prompt_ids, params, priority)
+        check_added(request_id, constraint)
         if len(self.waiting) >= self.max_waiting and len(self.running) >= self.max_batch:
             raise Overloaded(f"the server is at capacity ({len(self.running)} running, {len(self.waiting)} "
                              "waiting); retry later")

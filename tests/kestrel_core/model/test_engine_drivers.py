@@ -128,3 +128,28 @@ def test_a_step_not_yet_taken_holds_the_engine_for_its_thread(model) -> None:
         assert later.seq_id == seq.seq_id + 1  # type: ignore[attr-defined]
         engine.release(seq)
         engine.release(later)  # type: ignore[arg-type]
+
+
+def test_what_a_scheduler_is_given_is_checked_when_it_is_given(model) -> None:
+    """Something other than an engine (an AttributeError inside), a request id that is not text (outputs named
+    5), a constraint that is not a grammar's (its first step failed inside the sampler): each a KestrelError that
+    names it, before anything runs."""
+    for engine in (None, "engine"):
+        for make in (Scheduler, AsyncEngine):
+            with pytest.raises(KestrelError, match=f"{make.__name__} takes an Engine .*, got (NoneType|str)"):
+                make(engine)
+    with kestrel_core.load(model, backend="cpu") as engine:
+        scheduler, front = Scheduler(engine), AsyncEngine(engine)
+        params = SamplingParams(max_tokens=2)
+        for kwargs, says in (({"request_id": 5}, "request_id must be a str, got int"),
+                             ({"request_id": b"x"}, "request_id must be a str, got bytes"),
+                             ({"constraint": "x"}, r"constraint must be a Constraint \(engine.constraint")):
+            with pytest.raises(KestrelError, match=says):
+                scheduler.add(PROMPT, params, **kwargs)
+
+            async def submit(kwargs: dict[str, object] = kwargs) -> None:
+                front.submit(PROMPT, params, **kwargs)  # type: ignore[arg-type]
+
+            with pytest.raises(KestrelError, match=says):
+                asyncio.run(submit())
+        assert not scheduler.has_work and front.active == 0
