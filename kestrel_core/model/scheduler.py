@@ -32,8 +32,7 @@ the tokens before it), so they are not the backend's pipelined greedy decode.
 A ``Scoring`` request (kestrel_core.model.scoring) scores its prompt's tokens instead of generating: its prompt runs
 as a prompt's chunks do, each chunk's logits of every row coming back.
 
-The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``Engine.generate``), and one thread
-at a time drives the engine under it (kestrel_core.model.driver): another thread's scheduler over it is refused.
+Not thread-safe: one thread drives a scheduler (``AsyncEngine``, ``Engine.generate``) and its engine (model/driver.py).
 """
 
 from __future__ import annotations
