@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import stat
 
 from rich.table import Table
 
@@ -17,12 +18,17 @@ def list_models(args: argparse.Namespace) -> int:
     import datetime
 
     from kestrel_core.model.hub import CachedModel, cached_models
-    from kestrel_core.model.pull import DEFAULT_MODEL, default_model_path
+    from kestrel_core.model.pull import DEFAULT_MODEL, default_model_path, home_error
 
     models = []
     default = default_model_path()
-    if default.is_file():
+    try:
         st = default.stat()
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:  # KESTREL_HOME a file, or a directory it may not read: not "no local models"
+        raise home_error(exc, "cannot read the directory", default.parent) from None
+    if st is not None and stat.S_ISREG(st.st_mode):
         name = f"{DEFAULT_MODEL.filename.split('.')[0]} (the default: no -m)"  # what `kestrel run` loads without -m
         models.append(CachedModel(name, "gguf", default, st.st_size, st.st_mtime))
     models += cached_models()

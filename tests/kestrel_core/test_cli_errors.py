@@ -53,7 +53,7 @@ def test_a_kestrel_home_that_cannot_hold_its_directories_is_named(tmp_path: Path
     home = tmp_path / "notes"
     home.write_text("my notes")
     monkeypatch.setenv("KESTREL_HOME", str(home))
-    for argv in (["run", "-n", "2", "hi"], ["pull"], ["cache"], ["cache", "--clear"]):
+    for argv in (["run", "-n", "2", "hi"], ["pull"], ["cache"], ["cache", "--clear"], ["list"], ["list", "--json"]):
         assert main(argv) == 2, argv
         assert _error(capsys) == f"error: KESTREL_HOME {home}: not a directory", argv
     home = tmp_path / "home"
@@ -62,6 +62,8 @@ def test_a_kestrel_home_that_cannot_hold_its_directories_is_named(tmp_path: Path
     monkeypatch.setenv("KESTREL_HOME", str(home))
     assert main(["run", "-n", "2", "hi"]) == 2
     assert _error(capsys) == f"error: cannot make the directory {home / 'models'}: file exists"
+    assert main(["list"]) == 2
+    assert _error(capsys) == f"error: cannot read the directory {home / 'models'}: not a directory"
     assert (home / "models").read_text() == "my notes"
 
 
