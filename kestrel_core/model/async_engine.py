@@ -20,22 +20,20 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kestrel_core.errors import KestrelError, Overloaded, ShuttingDown
 from kestrel_core.model.driver import check_engine
 from kestrel_core.model.embed import EmbedJob
+from kestrel_core.model.grammar import Constraint, compiling
 from kestrel_core.model.request import RequestOutput, check_added
 from kestrel_core.model.request_queue import FCFS
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, Scheduler
 from kestrel_core.model.scoring import Scoring
 from kestrel_core.model.validate import check_int
-
-if TYPE_CHECKING:
-    from kestrel_core.model.grammar import Constraint
 
 log = logging.getLogger("kestrel")
 T = TypeVar("T")
@@ -170,19 +168,22 @@ class AsyncEngine:
         policy does not take, before anything is built for it."""
         return self.scheduler.check(prompt_ids, params, priority)
 
+    async def compile(self, grammar: str) -> Constraint:
+        """``grammar`` (SamplingParams.grammar) compiled for this model, on the grammars' threads
+        (grammar.compiling): compiling a client's grammar may take a while, and the steps' thread does not wait
+        for it. InvalidRequest for one that does not compile."""
+        return await compiling(lambda: self.engine.constraint(grammar))
+
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | Scoring,
                        request_id: str | None = None, places: Places | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, constraint: Constraint | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as its tokens come (a ``Scoring``'s: its prompt's logprobs, ``score``);
         InvalidRequest or Overloaded before the first one; ``places``: its request's (``places``), one of which it
-        takes instead of a free one; ``priority``: under the priority policy, lower first. A grammar's constraint
-        is built first, on a worker thread: compiling a client's grammar may take a while, and the steps' thread
-        does not wait for it."""
+        takes instead of a free one; ``priority``: under the priority policy, lower first; ``constraint``: its
+        grammar's, compiled already (``compile``) and this request's alone, else compiled first."""
         ids = self.check(prompt_ids, params, priority)  # a bad request fails before its grammar is compiled
-        constraint = None
-        if isinstance(params, SamplingParams) and isinstance(params.grammar, str):
-            constraint = await asyncio.get_running_loop().run_in_executor(None, self.engine.constraint,
-                                                                          params.grammar)
+        if constraint is None and isinstance(params, SamplingParams) and isinstance(params.grammar, str):
+            constraint = await self.compile(params.grammar)
         request_id, client = self._enqueue(ids, params, request_id, constraint, places, priority)
         finished = False
         try:

@@ -5,19 +5,31 @@ a JSON Schema accepts), ``lark_grammar`` or ``regex_grammar``. Its ``Constraint`
 model's ``grammar_vocab``) sets every token the grammar does not allow next to -inf before the sampler chooses,
 and consumes each token chosen; the end of text is allowed exactly where the grammar is complete. Grammars come
 from clients, so llguidance's default limits bound the work of each token's mask; a grammar that fails in
-generation (past a limit) ends its answer at once. llguidance is imported on first use.
+generation (past a limit) ends its answer at once. llguidance is imported on first use. A grammar is compiled once
+a request (``compiling``, on threads of its own); each of its choices takes a ``Constraint.copy`` of it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import copy
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kestrel_core.errors import InvalidRequest, KestrelError, invalid_request
 from kestrel_core.model.validate import strict_text
+
+T = TypeVar("T")
+# grammars are made and compiled in turn on threads of their own: a client's schema may take seconds, and on the
+# loop's default executor abandoned ones would hold up every other request's prompt rendering (llguidance lets go
+# of the GIL meanwhile, so a compile does not hold up the loop itself)
+GRAMMAR_THREADS = 2
+_COMPILES = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="kestrel-grammar")
 
 
 def _llguidance() -> Any:
@@ -81,6 +93,12 @@ def _text(text: object, what: str, param: str, kind: str = "a str") -> str:
         raise invalid_request(exc, param) from None
 
 
+async def compiling(work: Callable[[], T]) -> T:
+    """``work()``, the making or compiling of a grammar, on the grammars' threads. Cancelled while it waits its
+    turn (its request gone), it never runs."""
+    return await asyncio.get_running_loop().run_in_executor(_COMPILES, contextvars.copy_context().run, work)
+
+
 def grammar_vocab(tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
     """llguidance's view of a model's vocabulary (its ``LLTokenizer``, about a second to build: the engine keeps
     one). ``vocab_size``: the model's logits, which may be more than the tokenizer's tokens; ``eos_token_ids``
@@ -98,10 +116,19 @@ class Constraint:
         self.matcher = _llguidance().LLMatcher(vocab, grammar, log_level=0)
         if self.matcher.is_error():
             raise InvalidRequest(f"invalid grammar: {' '.join(self.matcher.get_error().split())}", param="grammar")
+        self.grammar = grammar
         self.vocab_size = vocab.vocab_size
         self.eos = vocab.eos_token  # the first end-of-text token grammar_vocab was given
         self._bits = np.zeros((self.vocab_size + 31) // 32, np.int32)
         self._ready = False  # _bits hold the next token's mask already (prepare_masks)
+
+    def copy(self) -> Constraint:
+        """Another place in the same compiled grammar, where this one is now: the choices of one request each take
+        one rather than compile the grammar again (llguidance's copy shares the compiled grammar)."""
+        other = copy.copy(self)
+        other.matcher = self.matcher.deep_copy()
+        other._bits = self._bits.copy()
+        return other
 
     def allowed(self) -> np.ndarray:
         """bool [vocab]: the tokens the grammar allows next; InvalidRequest once it has failed (past llguidance's

@@ -23,7 +23,6 @@ prompt past the context: its "prompt is too long"); the model is one the server 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -467,11 +466,11 @@ def install(app: FastAPI, models: Models) -> None:
                             lambda chunks: _events(message_id, body.model, max_tokens, cached, chunks))
 
     @app.post("/v1/messages/count_tokens")
-    async def count_tokens(body: Annotated[MessagesBody, json_body(MessagesBody)]) -> dict[str, int]:
+    async def count_tokens(body: Annotated[MessagesBody, json_body(MessagesBody)], request: Request) -> dict[str, int]:
         def prompt_ids() -> list[int]:
             chat = validated(ChatCompletionRequest, body.openai(False))
             return models.get(body.model).chat_prompt(chat)[1]
 
         with named_as(ANTHROPIC_NAMES):
-            return {"input_tokens": len(await asyncio.to_thread(prompt_ids))}  # off the event loop
+            return {"input_tokens": len(await off_loop(request, prompt_ids, inline=False))}
 

@@ -28,6 +28,7 @@ from kestrel_core.errors import KestrelError, invalid_request
 from kestrel_core.model.async_engine import Places
 from kestrel_core.model.chat_template import continue_final_message
 from kestrel_core.model.embed import check_input
+from kestrel_core.model.grammar import compiling
 from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, reasoning_markers
 from kestrel_core.model.request_queue import checked_priority
@@ -172,16 +173,23 @@ class Served:
             prompt_ids = [*prefix, *prompt_ids[1 if bos is not None and prompt_ids[:1] == [bos] else 0:]]
         return prompt, prompt_ids, tools
 
-    def chat_params(self, body: ChatCompletionRequest, prompt_ids: list[int], tools: ToolCalls | None) -> Any:
-        """A chat request's SamplingParams, its grammar built last: a client's schema may take seconds to
-        compile, so only for a request that can run."""
+    def chat_params(self, body: ChatCompletionRequest, prompt_ids: list[int]) -> Any:
+        """A chat request's SamplingParams, checked against its prompt; its grammar (``chat_grammar``) comes
+        after: a client's schema may take seconds to compile, so only for a request that can run."""
         params = _params(body, self.context_left(len(prompt_ids)), self)
         try:
             self.async_engine.check(prompt_ids, params)
-            return replace(params, grammar=body.grammar(tools, self.control_ids, self.harmony))
         except KestrelError as exc:  # a prompt's error is the messages'
             named = invalid_request(exc, "messages") if getattr(exc, "param", None) == "prompt" else exc
             raise from_kestrel_error(named) from None
+        return params
+
+    def chat_grammar(self, body: ChatCompletionRequest, tools: ToolCalls | None) -> str | None:
+        """The grammar a chat request's answer keeps to (ChatCompletionRequest.grammar), None for none."""
+        try:
+            return body.grammar(tools, self.control_ids, self.harmony)
+        except KestrelError as exc:
+            raise from_kestrel_error(exc) from None
 
     def guided(self, body: CompletionRequest, prompts: list[generation.Prompt]) -> str | None:
         """A completions request's grammar (vLLM's structured outputs), built once its prompts are known to fit."""
@@ -199,9 +207,17 @@ class Served:
         ``chat_prompt``'s; ``by_parts``: ChatShape's (the answer's parts, for the Responses API)."""
         def prepare() -> tuple[str, list[int], ToolCalls | None, Any]:
             prompt, prompt_ids, tools = self.chat_prompt(body, truncate, prefix)
-            return prompt, prompt_ids, tools, self.chat_params(body, prompt_ids, tools)
+            return prompt, prompt_ids, tools, self.chat_params(body, prompt_ids)
 
-        prompt, prompt_ids, tools, params = await asyncio.to_thread(prepare)  # off the event loop
+        # a large conversation is rendered as a large body is read (offload): its thread gives the GIL back soon
+        prompt, prompt_ids, tools, params = await off_loop(request, prepare, inline=False)
+        if body.sets_grammar:
+            try:
+                grammar = await generation.unless_disconnected(compiling(lambda: self.chat_grammar(body, tools)),
+                                                               request)
+            except generation.ClientGone:
+                return Response(status_code=CLIENT_CLOSED)
+            params = replace(params, grammar=grammar)
         # a constrained answer is what it is constrained to from its first token, even where the prompt opened a
         # reasoning block
         markers = self.reasoning_markers
@@ -259,7 +275,12 @@ class Served:
                 # ignore_eos takes them
                 params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + stops)))
             prompts.append(generation.Prompt(ids, params, body.logprobs is not None))
-        grammar = await asyncio.to_thread(self.guided, body, prompts) if body.sets_guided else None
+        grammar = None
+        if body.sets_guided:
+            try:
+                grammar = await generation.unless_disconnected(compiling(lambda: self.guided(body, prompts)), request)
+            except generation.ClientGone:
+                return Response(status_code=CLIENT_CLOSED)
         if grammar is not None:
             prompts = [replace(p, params=replace(p.params, grammar=grammar)) if p.params else p for p in prompts]
         if body.logprobs is not None:

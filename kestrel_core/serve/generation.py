@@ -118,9 +118,7 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
             raise engine_error(exc, async_engine.accepting, prompt_param) from None
     record = record_of(request)
     ids = [shape.id] if len(jobs) == 1 else [f"{shape.id}-{k}" for k in range(len(jobs))]
-    held = {} if places is None else {"places": places}
-    gens = [async_engine.generate(p.ids, choice_params(p.params, i), request_id=rid, priority=priority, **held)
-            if p.params is not None else _nothing(rid, p) for (p, i), rid in zip(jobs, ids)]
+    held: dict[str, Any] = {} if places is None else {"places": places}
     prompt_tokens = sum(len(p.ids) for p in prompts)
 
     def abort() -> None:  # every choice's sequence freed at the engine's next step (a no-op once finished)
@@ -128,6 +126,14 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
             async_engine.abort(rid)
 
     try:
+        # each grammar compiled once, however many choices keep to it: each takes a copy (its own place in it)
+        grammars = list(dict.fromkeys(p.params.grammar for p, _ in jobs if p.params and p.params.grammar))
+        compiled = dict(zip(grammars, await unless_disconnected(_all([async_engine.compile(g) for g in grammars]),
+                                                               request))) if grammars else {}
+        gens = [async_engine.generate(p.ids, choice_params(p.params, i), request_id=rid, priority=priority,
+                                      constraint=compiled[p.params.grammar].copy() if p.params.grammar else None,
+                                      **held)
+                if p.params is not None else _nothing(rid, p) for (p, i), rid in zip(jobs, ids)]
         if stream:
             firsts = await unless_disconnected(_all([_next(g) for g in gens]), request)
             if any(f.finish_reason == "abort" and not f.new_token_ids for f in firsts):  # a shutdown, before any

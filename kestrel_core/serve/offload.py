@@ -5,7 +5,8 @@ Every route takes its JSON body as ``json_body(Model)``: the bytes are read on t
 validated in a worker thread where they are large (``INLINE_BODY_BYTES`` or more; a smaller body costs less than
 a thread's hand-off), with FastAPI's own steps and errors (stdlib JSON, then the model, validated as FastAPI
 validates a body), so a bad body is answered as before. ``off_loop`` runs a route's other work on the body the
-same way; ``json_answer`` builds and writes an answer in a worker thread.
+same way (a chat request's prompt rendering and tokenizing included); ``json_answer`` builds and writes an answer
+in a worker thread.
 
 Large bodies take turns on ``BODY_THREADS`` threads of their own: their work holds the GIL, so more threads would
 not finish it sooner, but would hold more parsed bodies (several times their bytes) at once, take more of the
@@ -79,11 +80,12 @@ def json_body(model: type[Model]) -> Any:
     return Depends(parsed)
 
 
-async def off_loop(request: Request, work: Callable[[], T]) -> T:
+async def off_loop(request: Request, work: Callable[[], T], inline: bool = True) -> T:
     """``work()``, work that grows with the request's body: on a thread of the large bodies' where that body is
-    large, else at once."""
+    large, else at once (``inline`` False: on the loop's default executor, for work that may take long whatever
+    the body's size, such as a chat template's rendering)."""
     if len(await request.body()) < INLINE_BODY_BYTES:
-        return work()
+        return work() if inline else await asyncio.to_thread(work)
     return await asyncio.get_running_loop().run_in_executor(_BODIES, contextvars.copy_context().run,
                                                             _short_switches, work)
 

@@ -372,6 +372,13 @@ class ChatCompletionRequest(_Generation):
                          {t.function.name: t.function.parameters or {} for t in self.tools or ()},
                          named=isinstance(self.tool_choice, NamedToolChoice))
 
+    @property
+    def sets_grammar(self) -> bool:
+        """Whether the request asks for a grammar (``grammar`` gives it, or the error of a bad one): cheap, so
+        that a request of free text does not wait its turn behind other requests' grammars."""
+        return self.sets_guided or self.tool_choice not in (None, "auto", "none") \
+            or (self.response_format or {}).get("type", "text") != "text"
+
     def grammar(self, tools: ToolCalls | None, control_ids: Mapping[str, int] | None = None,
                 harmony: bool = False) -> str | None:
         """The grammar the answer keeps to (kestrel_core.model.grammar): calls of the tools where ``tool_choice``

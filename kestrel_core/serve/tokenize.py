@@ -12,7 +12,6 @@ where the last message is continued; the template writes any BOS, so
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI, Request
@@ -64,7 +63,7 @@ class DetokenizeBody(RequestBody):
 
 def install(app: FastAPI, models: Models) -> None:
     @app.post("/tokenize")
-    async def tokenize(body: Annotated[TokenizeBody, json_body(TokenizeBody)]) -> dict[str, Any]:
+    async def tokenize(body: Annotated[TokenizeBody, json_body(TokenizeBody)], request: Request) -> dict[str, Any]:
         served = models.get(body.model)
 
         def answer() -> dict[str, Any]:
@@ -75,7 +74,7 @@ def install(app: FastAPI, models: Models) -> None:
                 out["token_strs"] = [served.tokens(i) for i in ids]
             return out
 
-        return await asyncio.to_thread(answer)  # off the event loop
+        return await off_loop(request, answer, inline=False)
 
     @app.post("/detokenize")
     async def detokenize(body: Annotated[DetokenizeBody, json_body(DetokenizeBody)],

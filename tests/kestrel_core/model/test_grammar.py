@@ -194,7 +194,31 @@ def test_an_async_request_builds_its_constraint_off_the_steps_thread(monkeypatch
         text, error = asyncio.run(main())
     assert re.fullmatch(r"(ab)*a?|(ab)+x", text), text
     assert "grammar" in error and len(threads) == 2
-    assert "kestrel-scheduler" not in threads and threading.main_thread().name not in threads
+    assert all(name.startswith("kestrel-grammar") for name in threads), threads  # the grammars' own threads
+
+
+def test_a_copy_is_a_place_of_its_own_in_the_same_grammar() -> None:
+    """A copy starts where its original is and goes on apart from it, each allowing what a constraint compiled
+    afresh allows after the same tokens."""
+    with kestrel_core.load(str(MODELS / "tiny-qwen3"), backend="cpu") as engine:
+        text = kestrel_core.regex_grammar("(ab|cd)+x")
+        token = {s: engine.tokenizer.encode(s, add_special_tokens=False) for s in ("a", "b", "c", "d", "x")}
+        assert all(len(ids) == 1 for ids in token.values()), token
+
+        def after(*pieces: str, c: Constraint | None = None) -> Constraint:
+            c = c or engine.constraint(text)
+            for piece in pieces:
+                c.allowed()
+                c.accept(token[piece][0])
+            return c
+
+        original = after("a")
+        copied = original.copy()
+        after("b", "c", c=original)
+        after("b", "a", "b", c=copied)
+        for c, pieces in ((original, "abc"), (copied, "abab")):
+            assert (c.allowed() == after(*pieces).allowed()).all() and not c.failed
+        assert not (original.allowed() == copied.allowed()).all() and copied.grammar == original.grammar == text
 
 
 @pytest.mark.default_model

@@ -131,6 +131,16 @@ def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None
         return exc.code, dict(exc.headers), exc.read()
 
 
+class Uncompiled:
+    """A grammar as a scripted engine takes it: not compiled, its answers being the script's, not the grammar's."""
+
+    def __init__(self, grammar: str) -> None:
+        self.grammar = grammar
+
+    def copy(self) -> Uncompiled:
+        return self
+
+
 class Scripted(AsyncEngine):
     """An AsyncEngine whose answers are ``answers`` in order, 3 characters an output; the prompts it was given
     are kept as text, and the sampling of each request."""
@@ -145,9 +155,12 @@ class Scripted(AsyncEngine):
         """Any prompt: the script answers whatever the context (the tests' tool prompts outgrow a tiny model's)."""
         return list(prompt_ids)
 
+    async def compile(self, grammar: str) -> Any:
+        return Uncompiled(grammar)
+
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None, places: Any = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, constraint: Any = None) -> AsyncIterator[RequestOutput]:
         self.prompts.append(self.engine.tokenizer.decode(list(prompt_ids)))
         self.params.append(params)
         text = self.answers.pop(0)
@@ -190,13 +203,16 @@ class Spoken(AsyncEngine):
     def check(self, prompt_ids: Sequence[int], params: SamplingParams, priority: int = 0) -> list[int]:
         return list(prompt_ids)
 
+    async def compile(self, grammar: str) -> Any:
+        return Uncompiled(grammar)
+
     def tokens(self, pieces: Sequence[str]) -> list[list[int]]:
         """Each piece's token ids."""
         return [list(self.engine.tokenizer.encode(p, add_special_tokens=False)) for p in pieces]
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None, places: Any = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, constraint: Any = None) -> AsyncIterator[RequestOutput]:
         self.prompts.append(self.engine.tokenizer.decode(list(prompt_ids)))
         ids = [t for piece in self.tokens(self.answers.pop(0)) for t in piece]
         texts = [self.engine.tokenizer.decode([t], skip_special_tokens=params.skip_special_tokens) for t in ids]

@@ -183,11 +183,11 @@ class Full(Scripted):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None, places: Any = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, constraint: Any = None) -> AsyncIterator[RequestOutput]:
         if self.refusals:
             self.refusals -= 1
             raise Overloaded("the server is at capacity (1 requests in flight); retry later")
-        async for out in super().generate(prompt_ids, params, request_id, places, priority):
+        async for out in super().generate(prompt_ids, params, request_id, places, priority, constraint):
             yield out
 
 

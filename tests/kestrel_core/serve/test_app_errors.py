@@ -28,8 +28,8 @@ class _FailsMidStream(Scripted):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None, places: Any = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        async for out in super().generate(prompt_ids, params, request_id, places, priority):
+                       priority: int = 0, constraint: Any = None) -> AsyncIterator[RequestOutput]:
+        async for out in super().generate(prompt_ids, params, request_id, places, priority, constraint):
             yield out
             raise RuntimeError("boom")
 
@@ -53,7 +53,7 @@ class _ShutBeforeAnyToken(Scripted):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None, places: Any = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, constraint: Any = None) -> AsyncIterator[RequestOutput]:
         yield RequestOutput(request_id or "r", [], "", None, True, "abort", len(prompt_ids), 0)
 
 

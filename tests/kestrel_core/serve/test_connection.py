@@ -38,7 +38,7 @@ class Paced(AsyncEngine):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None, places: Any = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, constraint: Any = None) -> AsyncIterator[RequestOutput]:
         try:
             for k in range(self.pieces):
                 await asyncio.sleep(self.delay_s)

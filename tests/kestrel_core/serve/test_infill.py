@@ -57,10 +57,10 @@ class Recording(AsyncEngine):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None, places: Any = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, constraint: Any = None) -> AsyncIterator[RequestOutput]:
         self.prompts.append(list(prompt_ids))
         self.params.append(params)
-        async with aclosing(super().generate(prompt_ids, params, request_id, places, priority)) as outputs:
+        async with aclosing(super().generate(prompt_ids, params, request_id, places, priority, constraint)) as outputs:
             async for out in outputs:
                 yield out
 
@@ -298,9 +298,9 @@ class Paced(Scripted):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None, places: Any = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, constraint: Any = None) -> AsyncIterator[RequestOutput]:
         try:
-            async for out in super().generate(prompt_ids, params, request_id, places, priority):
+            async for out in super().generate(prompt_ids, params, request_id, places, priority, constraint):
                 if self.given:
                     await asyncio.sleep(self.pause)
                 self.given += 1
