@@ -127,9 +127,12 @@ __device__ __forceinline__ void merge_warps(float mx, float l, const float (&acc
 
 // The head's output out[d] = sum_t acc_t[d] w_t / sum_t l_t w_t over NS records in record order, w_t =
 // exp(m_t - max m) (0 for a record that saw no position); rec(t, i) reads record t's float i, each d's NS
-// values loaded at once. Every thread of the block (NTH of them) calls it; s_m, s_l, s_w [NS].
-template <int NS, int NTH, class Rec>
-__device__ __forceinline__ void merge_records(Rec rec, int hd, float* s_m, float* s_l, float* s_w, float* out)
+// values loaded at once. Every thread of the block (NTH of them) calls it; s_m, s_l, s_w [NS]. SINK: the
+// denominator also takes exp(sink - max m), a logit that joins the softmax and takes no value (gpt-oss's; -inf
+// adds exactly 0).
+template <int NS, int NTH, bool SINK = false, class Rec>
+__device__ __forceinline__ void merge_records(Rec rec, int hd, float* s_m, float* s_l, float* s_w, float* out,
+                                              float sink = 0.f)
 {
     if (threadIdx.x < NS) {
         s_m[threadIdx.x] = rec(threadIdx.x, 0);
@@ -145,6 +148,7 @@ __device__ __forceinline__ void merge_records(Rec rec, int hd, float* s_m, float
     float gl = 0.f;
 #pragma unroll
     for (int t = 0; t < NS; ++t) gl += s_l[t] * s_w[t];
+    if constexpr (SINK) gl += expf(sink - gm);  // past float's range: inf, and the output its limit, 0
     for (int d = threadIdx.x; d < hd; d += NTH) {
         float v[NS];
 #pragma unroll

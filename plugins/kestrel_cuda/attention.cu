@@ -8,7 +8,9 @@
 // positions (attend_warp: AB x 2 x MAXJ / 4 loads in flight per lane at either size); the block merges its
 // warps into its record part[h][split], and the last block of a head merges the NS records (every split's loaded
 // at once, merge weights computed once, fixed order). q is scaled by 1/sqrt(hd) before the dot products; with
-// softcap > 0 each score is soft-capped (Gemma 2) before the softmax, as in attn_rows and attn_prefill.
+// softcap > 0 each score is soft-capped (Gemma 2) before the softmax, as in attn_rows and attn_prefill. With
+// sinks ([H], gpt-oss's; null: none) head h's softmax has one more logit, sinks[h], which takes no value: its
+// exp joins the denominator, as in attn_rows and attn_prefill.
 #define AW 4
 #define PT 32    // positions of a shared-memory tile (attn_rows: one page of the pool, KV_BLOCK)
 #define NCH 2    // attn_rows, attn_prefill: a lane's 4-dimension chunks, 128 dimensions apart (hd <= 256)
@@ -16,7 +18,7 @@ template <int NS, int MAXJ>
 __global__ void __launch_bounds__(AW * 32) attn_decode(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
-    int* __restrict__ counters, float* __restrict__ out, int window, float softcap)
+    int* __restrict__ counters, float* __restrict__ out, int window, float softcap, const float* __restrict__ sinks)
 {
     grid_dep_launch();
     grid_dep_wait();
@@ -43,8 +45,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     merge_warps<MAXJ, AW>(mx, l, acc, hd, warp, lane, s_m, s_l, s_acc, part + ((size_t)h * NS + split) * ATT_REC(hd));
     if (!arrive_last(&counters[h], NS, &s_last)) return;
     const float* ph = part + (size_t)h * NS * ATT_REC(hd);
-    merge_records<NS, AW * 32>([&](int t, int i) { return __ldcg(ph + (size_t)t * ATT_REC(hd) + i); }, hd, s_m, s_l,
-                               s_w, out + (size_t)h * hd);
+    merge_records<NS, AW * 32, true>([&](int t, int i) { return __ldcg(ph + (size_t)t * ATT_REC(hd) + i); }, hd,
+                                     s_m, s_l, s_w, out + (size_t)h * hd, sinks ? __ldg(sinks + h) : NEG_INF);
     if (threadIdx.x == 0) counters[h] = 0;
 }
 
@@ -67,7 +69,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // that keeps it below 2^14 (undone on the scores), the probabilities by 2^12 (undone at the end), so neither
 // term leaves float16's normal range where it matters.
 // With splits > 1 each head's (max, sum, acc[hd]) goes to part[row][head][split] (records of hd + 4 floats)
-// and the last block of (row, KV head, part) merges the splits in order, as attn_decode does.
+// and the last block of (row, KV head, part) merges the splits in order, as attn_decode does. sinks: as
+// attn_decode's.
 // HDP: an instance's head dimension, a power of two from 16 to 256; hd <= HDP, hd % 4 == 0 (dimensions hd..HDP
 // are zero). Dynamic shared memory (float16): q [2][heads][HDP + 8] (hi, lo), then keys and values
 // [NBUF][PT][HDP + 8] each: rows padded by 16 bytes, so the 8 rows one ldmatrix phase reads hit 8 bank groups.
@@ -127,7 +130,7 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ rows, const int* __restrict__ tables, int tb,
     float* __restrict__ out, int splits, float* __restrict__ part, int* __restrict__ counters, int window,
-    i8* __restrict__ codes, float* __restrict__ cscales, float softcap)
+    i8* __restrict__ codes, float* __restrict__ cscales, float softcap, const float* __restrict__ sinks)
 {
     static_assert(HDP >= 16 && HDP <= 256 && (HDP & (HDP - 1)) == 0, "HDP: a power of two, 16..256");
     static_assert(ROWS_WARPS == 2, "each warp takes 16 of a page's PT = 32 positions; warp 1 joins warp 0 at the end");
@@ -202,7 +205,10 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     float o[NV][4];
 #pragma unroll
     for (int n = 0; n < NV; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float mx0 = NEG_INF, l0 = 0.f;     // head gid's; l: this lane's terms
+    // head gid's max and this lane's terms of its sum; with sinks, split 0's warp 0 starts from the sink (its logit
+    // the max so far, its exp the sum, in lane tig 0; no value), so that the merges count it once
+    const bool sinker = sinks && split == 0 && warp == 0;
+    float mx0 = sinker ? __ldg(sinks + head0 + (gid < heads ? gid : 0)) : NEG_INF, l0 = sinker && tig == 0 ? 1.f : 0.f;
     // The first pages in flight, one copy group each. Those whose every position an earlier step wrote are
     // copied before the wait for the kernels before this one (PDL: qkv_rope writes this step's positions, and
     // the query). A sequence's rows of a pass are consecutive, at consecutive positions, so this pass writes

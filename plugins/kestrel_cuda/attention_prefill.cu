@@ -3,13 +3,14 @@
 // per block (two per warp), so each key/value tile staged in shared memory (PT positions) serves 16
 // queries, and 16-byte shared-memory reads: lane j scores key j against both of its warp's queries, then
 // accumulates its chunks of 4 consecutive dimensions of each. hd % 4 == 0, hd <= 256. softcap > 0: each score
-// soft-capped (Gemma 2) before the softmax.
+// soft-capped (Gemma 2) before the softmax; sinks ([H], gpt-oss's; null: none): head h's softmax has one more
+// logit, sinks[h], which takes no value, as in attn_decode.
 // Grid: x = H, y = ceil(M / 16); block 256; dynamic shared memory (32*(hd+4) + 32*hd + 16*hd) floats.
 #define PQ2 16
 extern "C" __global__ void __launch_bounds__(256) attn_prefill(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out, int window,
-    float softcap)
+    float softcap, const float* __restrict__ sinks)
 {
     grid_dep_launch();
     grid_dep_wait();
@@ -36,7 +37,9 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill(
     }
     const int d4 = 4 * lane;                // this lane's chunks of 4 dimensions: d4 + 128 c .. + 3
     float acc_a[NCH][4] = {}, acc_b[NCH][4] = {};
-    float mxa = NEG_INF, mxb = NEG_INF, la = 0.f, lb = 0.f;
+    // the online softmax starts from the sink (its logit the max so far, its exp the sum, no value), or empty
+    const float sink = sinks ? __ldg(sinks + h) : NEG_INF;
+    float mxa = sink, mxb = sink, la = sinks ? 1.f : 0.f, lb = la;
     const float4* qa4 = reinterpret_cast<const float4*>(qs + (2 * warp) * hd);
     const float4* qb4 = reinterpret_cast<const float4*>(qs + (2 * warp + 1) * hd);
     for (int t0 = first / PT * PT; t0 <= pmax; t0 += PT) {

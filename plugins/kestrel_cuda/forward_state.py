@@ -135,6 +135,9 @@ class Layer:
     router: Any = None  # mixture of experts: float32 [E, D], then Qwen2-MoE's shared-expert gate [1, D]
     route_fold: Any = None  # ... its plan.RouteFold weights [R, D + K] (route_fold_weights), where it folds
     weights: LayerLins | None = None  # None when fetched per step (residency window)
+    sinks: Any = None  # gpt-oss: float32 [H], each head's sink logit
+    o_bias: Any = None  # gpt-oss: float32 [D], added with the o projection's output
+    router_bias: Any = None  # gpt-oss: float32 [E], added to the router's logits
 
 
 @dataclass
@@ -289,16 +292,21 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
         bias = None
         if lw.q_bias is not None:
             bias = up(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]).astype(np.float32))
-        optional = [None if w is None else up(w) for w in (lw.q_norm, lw.k_norm, lw.post_attn_norm, lw.post_mlp_norm)]
+        optional = [None if w is None else up(np.asarray(w, np.float32))
+                    for w in (lw.q_norm, lw.k_norm, lw.post_attn_norm, lw.post_mlp_norm, lw.sinks, lw.o_bias,
+                              lw.router_bias)]
         router = fold = None
         if lw.router is not None:
             gate = [] if lw.shared_expert_gate is None else [lw.shared_expert_gate.reshape(1, -1)]
             rows = np.concatenate([lw.router, *gate]).astype(np.float32)
             router = up(rows)
-            if lw.post_attn_norm is None and lw.o.group_size == 32:
+            # the fold chooses by its sums over h and o's input, before rms(h') is known: a router bias, added
+            # after the division by it, changes their order, and o's bias is no term of those sums
+            if lw.post_attn_norm is None and lw.o.group_size == 32 and lw.router_bias is None and lw.o_bias is None:
                 fold = up(route_fold_weights(rows, lw.mlp_norm, lw.o))
         layers.append(Layer(up(lw.attn_norm), up(lw.mlp_norm), optional[0], optional[1], bias, *tables[key],
-                            optional[2], optional[3], router=router, route_fold=fold))
+                            optional[2], optional[3], router=router, route_fold=fold, sinks=optional[4],
+                            o_bias=optional[5], router_bias=optional[6]))
     emb = model.embedding
     t = PASS_ROWS
     st = State(model=model, config=c, max_context=max_context, emb_codes=up(emb.codes),

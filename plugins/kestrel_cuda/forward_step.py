@@ -74,10 +74,11 @@ class Stepper:
             at = {} if pool is None else {"rows": pool.rows, "tables": pool.tables}
             rope = None  # qkv_rope's work in the q|k|v GEMV's epilogue: one head per column tile
             if m == 1 and pool is None and self.fuse_rope and hd == TILE_N and len(w.qkv) == 1:
-                # and decode attention, in its clusters; not with soft caps, which its instances (64 registers a
-                # thread) have no room for: ptxas spilled 4-16 bytes in two of them with a cap in the loop
+                # and decode attention, in its clusters; not with soft caps or sinks, which its instances (64
+                # registers a thread) have no room for: ptxas spilled 4-16 bytes in two of them with a cap in the loop
                 attend = None
-                if self.fuse_attention and not softcap and ops.attend_folds(w.qkv[0], kc.shape[1]):
+                if (self.fuse_attention and not softcap and layer.sinks is None
+                        and ops.attend_folds(w.qkv[0], kc.shape[1])):
                     attend = AttendFold(st.attn[:1], scale, c.window_of(i) or 0, *st.attend)
                 rope = QkvRope(heads, kv_heads, layer.q_norm, layer.k_norm, eps, layer.cos, layer.sin, st.meta,
                                st.q[:1], kc, vc, attend)
@@ -94,7 +95,7 @@ class Stepper:
             if rope is None or rope.attend is None:
                 quantized = ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at,
                                           window=c.window_of(i) or 0, quantize_for=w.o if fold is None else None,
-                                          softcap=softcap)
+                                          softcap=softcap, sinks=layer.sinks)
             normed = (not w.experts and layer.post_attn_norm is None and rs == 1.0
                       and ops.norm_fold(m, w.o, w.gate_up))
             route, h = o_routed(ops, st, layer, w.o, h, h_rows, eps) if h_rows is not None else (None, h)

@@ -41,11 +41,12 @@ class AttentionOps:
 
     def attention(self, q: Any, kc: Any, vc: Any, heads: int, hd: int, scale: float, meta: Any,
                   out: Any, rows: Any = None, tables: Any = None, window: int = 0,
-                  quantize_for: Lin | None = None, softcap: float = 0.0) -> bool:
+                  quantize_for: Lin | None = None, softcap: float = 0.0, sinks: Any = None) -> bool:
         """``rows``/``tables`` as ``qkv_rope``'s: each row attends over its own sequence (attn_rows: a
         block per row and KV head); else one sequence's rows at meta[0]..: decode (M = 1) or causal prefill.
         ``window`` > 0: a row sees only the last ``window`` positions (itself included). ``softcap`` > 0: each
-        score becomes tanh(score / softcap) * softcap before the softmax (Gemma 2). ``quantize_for``: the
+        score becomes tanh(score / softcap) * softcap before the softmax (Gemma 2). ``sinks`` (float32 [heads],
+        gpt-oss): each head's softmax has one more logit, which takes no value. ``quantize_for``: the
         projection that reads ``out`` next; where it runs on the tiled GEMM at G = 32 (M > 1) and a group is
         one head's (attn_rows, hd % 32 == 0), attn_rows also writes out's codes where that GEMM reads them,
         bit for bit quantize_rows', and this returns True (pass ``quantized`` to its ``gemv``)."""
@@ -64,18 +65,19 @@ class AttentionOps:
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(rows), _ptr(tables), _i32(tables.shape[1]), _ptr(out),
                          _i32(splits), _ptr(self.attn_part), _ptr(self.attn_counters), _i32(window),
-                         _ptr(codes), _ptr(scales), np.float32(softcap)),
+                         _ptr(codes), _ptr(scales), np.float32(softcap), _ptr(sinks)),
                         smem, name="attn_rows")
             return codes is not None
         if m == 1:
             self.launch(self._attn_decode[4 if hd <= 128 else 8], (heads, ATTN_SPLITS, 1), (128,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
-                         _ptr(out), _i32(window), np.float32(softcap)), name="attn_decode")
+                         _ptr(out), _i32(window), np.float32(softcap), _ptr(sinks)), name="attn_decode")
             return False
         self.launch(self._fn["attn_prefill"], (heads, -(-m // 16)), (256,),
                     (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
-                     np.float32(scale), _ptr(meta), _i32(m), _ptr(out), _i32(window), np.float32(softcap)),
+                     np.float32(scale), _ptr(meta), _i32(m), _ptr(out), _i32(window), np.float32(softcap),
+                     _ptr(sinks)),
                     _attn_prefill_smem(hd), name="attn_prefill")
         return False
 

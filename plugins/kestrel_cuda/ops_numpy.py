@@ -402,8 +402,8 @@ class NumpyOps:
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, scale: float,
                   meta: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None,
                   tables: np.ndarray | None = None, window: int = 0, quantize_for: Lin | None = None,
-                  softcap: float = 0.0) -> bool:
-        self._run(lambda: _attend(q, kc, vc, heads, hd, scale, meta, out, rows, tables, window, softcap))
+                  softcap: float = 0.0, sinks: np.ndarray | None = None) -> bool:
+        self._run(lambda: _attend(q, kc, vc, heads, hd, scale, meta, out, rows, tables, window, softcap, sinks))
         return False  # the next gemv quantizes ``out`` itself
 
     def attend_folds(self, qkv: Lin, capacity: int) -> bool:
@@ -419,9 +419,9 @@ class NumpyOps:
 
 def _attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, scale: float, meta: np.ndarray,
             out: np.ndarray, rows: np.ndarray | None = None, tables: np.ndarray | None = None, window: int = 0,
-            softcap: float = 0.0) -> None:
+            softcap: float = 0.0, sinks: np.ndarray | None = None) -> None:
     """Decode attention and causal prefill: each row of q over its cache positions (the last ``window``), its
-    scores soft-capped where ``softcap`` > 0."""
+    scores soft-capped where ``softcap`` > 0; ``sinks`` [heads]: one more logit a head, with no value."""
     m = q.shape[0]
     pos, slots = _row_slots(m, meta, rows, tables)
     g = heads // kc.shape[0]
@@ -433,8 +433,14 @@ def _attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, 
             s = kc[h // g, cache] @ qh[h]  # [n]
             if softcap > 0:
                 s = np.tanh(s / np.float32(softcap)) * np.float32(softcap)
-            e = np.exp(s - s.max())
-            out[r, h * hd:(h + 1) * hd] = (e / e.sum()) @ vc[h // g, cache]
+            if sinks is None:
+                e = np.exp(s - s.max())
+                total = e.sum()
+            else:
+                top = max(s.max(), sinks[h])
+                e = np.exp(s - top)
+                total = e.sum() + np.exp(sinks[h] - top)
+            out[r, h * hd:(h + 1) * hd] = (e / total) @ vc[h // g, cache]
 
 
 def _row_slots(m: int, meta: np.ndarray, rows: np.ndarray | None,

@@ -118,7 +118,7 @@ def test_every_forward_launch_passes_its_kernels_parameters(recorded) -> None:  
     ops.gemv(_lin(d, d), h8, PRO_RMSNORM, _array(d), 1e-6, 0, h8, EPI_STORE, _array(d))
     for m, at in ((1, {}), (8, {}), (8, {"rows": rows, "tables": tables})):
         ops.attention(_array((m, heads * hd)), kc, kc, heads, hd, 0.0625, meta, _array((m, heads * hd)), **at,
-                      window=8, softcap=50.0)
+                      window=8, softcap=50.0, sinks=_array(heads))
     ops.qkv_rope(_array((8, (heads + 2 * kv) * hd)), heads, kv, hd, None, None, 1e-6, _array((64, hd // 2)),
                  _array((64, hd // 2)), meta, _array((8, heads * hd)), kc, kc)
     logits = _array((8, 512))
