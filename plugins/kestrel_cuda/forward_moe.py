@@ -61,7 +61,7 @@ def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, h: Any, eps: float, ssq: 
         fold = (route, st.ssq_mid, eps)
     else:
         ops.moe_route(h, layer.mlp_norm, eps, layer.router, c.num_experts, k, c.norm_topk_prob, xn[:m],
-                      (logits, counters), sel[:m], wts[:m], ssq_in=ssq)
+                      (logits, counters), sel[:m], wts[:m], ssq_in=ssq, bias=layer.router_bias)
         x, pro, pw, ssq_x = xn[:m], PRO_PLAIN, None, None
     shared = w.experts[c.num_experts] if len(w.experts) > c.num_experts else None
     gate_up, down = w.experts[0].gate_up, w.experts[0].down  # every routed expert's shape and plan

@@ -96,12 +96,12 @@ class Stepper:
                 quantized = ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at,
                                           window=c.window_of(i) or 0, quantize_for=w.o if fold is None else None,
                                           softcap=softcap, sinks=layer.sinks)
-            normed = (not w.experts and layer.post_attn_norm is None and rs == 1.0
+            normed = (not w.experts and layer.post_attn_norm is None and rs == 1.0 and layer.o_bias is None
                       and ops.norm_fold(m, w.o, w.gate_up))
             route, h = o_routed(ops, st, layer, w.o, h, h_rows, eps) if h_rows is not None else (None, h)
             if route is None:
                 pending = self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, h, m, eps, ssq,
-                                         fold, quantized, layer.mlp_norm if normed else None, rs)
+                                         fold, quantized, layer.mlp_norm if normed else None, rs, layer.o_bias)
             if w.experts:
                 moe_mlp(self.ops, st, i, w, h, eps, ssq, route)
                 continue
@@ -140,18 +140,19 @@ class Stepper:
 
     def _residual(self, lin: Lin, x: Any, pro: int, xoff: int, post_norm: Any, st: State, h: Any, m: int,
                   eps: float, ssq: Any, fold: tuple[Any, Any] | None, quantized: bool = False,
-                  fold_norm: Any = None, add_scale: float = 1.0) -> PostNorm | None:
-        """h += lin(prologue(x)) * add_scale, or h += rmsnorm(lin(prologue(x)), post_norm) (Gemma's post-norms,
-        add_scale 1: forward_state.unsupported_reason): with
+                  fold_norm: Any = None, add_scale: float = 1.0, bias: Any = None) -> PostNorm | None:
+        """h += (lin(prologue(x)) + bias) * add_scale, or h += rmsnorm(lin(prologue(x)), post_norm) (Gemma's
+        post-norms, no bias, add_scale 1: forward_state.unsupported_reason): with
         ``fold`` (the two residual rows, h one of them) left to the next normed GEMV, which stores the sum in the
         other row, and returned. ``quantized``: x's codes are written already; ``fold_norm``: the next norm's
         weights, h's new rows quantized for the normed GEMMs after it (ops.gemv)."""
         if post_norm is None:
-            self.ops.gemv(lin, x, pro, None, eps, xoff, h, EPI_ADD, None, ssq_out=ssq, quantized=quantized,
+            self.ops.gemv(lin, x, pro, None, eps, xoff, h, EPI_ADD, bias, ssq_out=ssq, quantized=quantized,
                           fold_norm=fold_norm, add_scale=add_scale)
             return None
-        if add_scale != 1.0:
-            raise ValueError("a residual multiplier with post-norms: forward_state.unsupported_reason declines it")
+        if add_scale != 1.0 or bias is not None:
+            raise ValueError("a residual multiplier or a bias with post-norms: forward_state.unsupported_reason "
+                             "declines them")
         if fold is not None:
             other = fold[1] if h is fold[0] else fold[0]
             post = PostNorm(post_norm, h, st.out[:1], st.post[1], other)

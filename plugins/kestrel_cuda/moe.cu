@@ -12,14 +12,14 @@
 // x = rmsnorm(h[m], w) (M = 1: from the residual stream's tile sums, as qgemv's prologue; else a sum of its
 // own), block 0 stores it in xn[m] (the experts' input), and computes logits[m][r] = x . router[r] for its
 // ROUTE_ROWS rows, every thread over its float4s of each row (loaded before the wait where they fit: the
-// router is not step data). The row's last block to arrive (counters[m], reset) chooses (route.cuh route_top,
-// route_weights): sel[m][0..k) the experts in increasing order, wts[m] (rows of k + 1) their weights, then a
-// shared gate's.
+// router is not step data), plus rbias[r] for an expert's row where there is one (gpt-oss's router bias [E]).
+// The row's last block to arrive (counters[m], reset) chooses (route.cuh route_top, route_weights): sel[m][0..k)
+// the experts in increasing order, wts[m] (rows of k + 1) their weights, then a shared gate's.
 extern "C" __global__ void __launch_bounds__(NT) moe_route(
     const float* __restrict__ h, int ldh, int D, const float* __restrict__ normw, float eps,
     const float* __restrict__ ssq_in, const float* __restrict__ router, int E, int shared_gate, int k,
     int norm_topk, float* __restrict__ xn, int ldxn, float* __restrict__ logits, int* __restrict__ counters,
-    int* __restrict__ sel, float* __restrict__ wts)
+    int* __restrict__ sel, float* __restrict__ wts, const float* __restrict__ rbias)
 {
     grid_dep_launch();
     extern __shared__ float4 s_x4[];            // [D / 4]: the normed row
@@ -104,6 +104,7 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < NT / 32; ++w) v += s_dot[tid][w];
+        if (rbias && r0 + tid < E) v = v + __ldg(rbias + r0 + tid);
         logits[(size_t)m * R + r0 + tid] = v;
     }
     if (!arrive_last(counters + m, gridDim.x, &s_last)) return;

@@ -27,17 +27,18 @@ class MoeOps:
         return self.upload(table)
 
     def moe_route(self, h: Any, norm: Any, eps: float, router: Any, experts: int, k: int, norm_topk: bool,
-                  xn: Any, scratch: tuple[Any, Any], sel: Any, wts: Any, ssq_in: Any = None) -> None:
+                  xn: Any, scratch: tuple[Any, Any], sel: Any, wts: Any, ssq_in: Any = None, bias: Any = None) -> None:
         """Each row of h [M, D]: xn = rmsnorm(h, norm), its k experts by the router [R, D] (R = ``experts``,
-        + 1: a shared-expert gate) into sel [M, k] (increasing), their weights into wts [M, k + 1] (the
-        gate's sigmoid last) (moe.cu moe_route; ``scratch``: logits [M, R] and counters [M])."""
+        + 1: a shared-expert gate; ``bias`` [experts] added to their logits) into sel [M, k] (increasing), their
+        weights into wts [M, k + 1] (the gate's sigmoid last) (moe.cu moe_route; ``scratch``: logits [M, R] and
+        counters [M])."""
         m, d = h.shape
         rows = router.shape[0]
         logits, counters = scratch
         self.launch(self._fn["moe_route"], (-(-rows // ROUTE_ROWS), m), (256,),
                     (_ptr(h), _ld(h), _i32(d), _ptr(norm), np.float32(eps), _ptr(ssq_in if m == 1 else None),
                      _ptr(router), _i32(experts), _i32(rows - experts), _i32(k), _i32(norm_topk), _ptr(xn), _ld(xn),
-                     _ptr(logits), _ptr(counters), _ptr(sel), _ptr(wts)), 4 * d, name="moe_route")
+                     _ptr(logits), _ptr(counters), _ptr(sel), _ptr(wts), _ptr(bias)), 4 * d, name="moe_route")
 
     def moe_group(self, sel: Any, experts: int, source: Any, position: Any, groups: Any, rows: int) -> None:
         """The (row, slot) pairs of sel [M, k] sorted by expert as plan.expert_groups sorts them: ``position``

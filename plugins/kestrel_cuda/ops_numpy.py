@@ -312,12 +312,15 @@ class NumpyOps:
 
     def moe_route(self, h: np.ndarray, norm: np.ndarray, eps: float, router: np.ndarray, experts: int, k: int,
                   norm_topk: bool, xn: np.ndarray, scratch: Any, sel: np.ndarray, wts: np.ndarray,
-                  ssq_in: np.ndarray | None = None) -> None:
+                  ssq_in: np.ndarray | None = None, bias: np.ndarray | None = None) -> None:
         def fn() -> None:
             m = h.shape[0]
             x = _prologue(h, h.shape[1], PRO_RMSNORM, norm, eps, 0, ssq_in if m == 1 else None)  # [M, D]
             xn[...] = x
-            _choose(x @ router.T, experts, k, norm_topk, sel, wts)
+            logits = x @ router.T
+            if bias is not None:
+                logits[:, :experts] += bias
+            _choose(logits, experts, k, norm_topk, sel, wts)
         self._run(fn)
 
     def moe_group(self, sel: np.ndarray, experts: int, source: np.ndarray, position: np.ndarray,

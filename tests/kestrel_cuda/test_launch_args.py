@@ -128,7 +128,7 @@ def test_every_forward_launch_passes_its_kernels_parameters(recorded) -> None:  
     ops.argmax_rows(logits, 8, (_array((8, 1)), *(_array((8, 1), np.int32),) * 2, *(_array(8, np.int32),) * 2))
     sel, wts = _array((8, 2), np.int32), _array((8, 3))
     ops.moe_route(h8, _array(d), 1e-6, _array((9, d)), 8, 2, True, h8, (_array((8, 9)), _array(8, np.int32)), sel,
-                  wts)
+                  wts, bias=_array(8))
     ops.moe_group(sel, 8, _array(16, np.int32), _array(16, np.int32), _array((24, 3), np.int32), 16)
     ops.moe_combine(_array((24, d)), 2, wts, h8, _array(16, np.int32), _array((8, d)), None)
     seen = {name for name, _ in launches}
