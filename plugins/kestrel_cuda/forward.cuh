@@ -4,7 +4,7 @@
 //
 // NVRTC compiles it with --fmad=false, so every float expression rounds exactly as written (the CPU decoder's
 // numpy order where it matters: rmsnorm x / sqrt(ms + eps) * w, RoPE x1*c - x2*s, silu g / (1 + exp(-g)) * u,
-// gelu_tanh below,
+// gelu_tanh and gpt-oss's clamped SwiGLU below,
 // Q8_0 round-half-away codes).
 //
 // Layouts (float32 unless said):
@@ -51,6 +51,14 @@ __device__ __forceinline__ float gelu_tanh_mul(float g, float u) {
     t = t + 1.f;
     t = t * 0.5f;
     return g * t * u;
+}
+
+// gpt-oss's clamped SwiGLU of gate g and up u in the CPU decoder's order (host_ops.swiglu_oai_mul): g' = min(g,
+// limit), g' / (1 + exp(g' * -alpha)) * (clamp(u, -limit, limit) + 1); expf's last bits may differ from numpy's.
+__device__ __forceinline__ float swiglu_oai_mul(float g, float u, float limit, float alpha) {
+    g = fminf(g, limit);
+    const float s = g / (1.f + expf(g * -alpha));
+    return s * (fminf(fmaxf(u, -limit), limit) + 1.f);
 }
 
 // Gemma 2's soft cap of an attention score or a logit: tanh(x / cap) * cap, the CPU decoder's order (cap > 0;

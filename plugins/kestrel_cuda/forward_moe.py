@@ -19,9 +19,9 @@ from kestrel_cuda.plan import (
     EPI_STORE,
     PRO_PLAIN,
     PRO_RMSNORM,
-    PRO_SILU_MUL,
     Lin,
     RouteFold,
+    gate_prologue,
     group_capacity,
     grouped_rows,
     route_fold_span,
@@ -48,11 +48,12 @@ def o_routed(ops: Any, st: State, layer: Layer, o: Lin, h: Any, rows: tuple[Any,
 def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, h: Any, eps: float, ssq: Any,
             route: RouteFold | None) -> None:
     """h += the mixture of experts of layer i on rmsnorm(h) (the CPU decoder's ``_moe``): each row's chosen
-    experts weighted and added in expert order, then the shared expert scaled by its gate. ``ssq``: h's tile
-    sums (M = 1), read by the norms and left by the sum; ``route``: the o projection chose (``o_routed``),
-    h's tile sums are then ``st.ssq_mid``."""
-    c, layer = st.config, st.layers[i]
+    experts (with their biases, gpt-oss's) weighted and added in expert order, then the shared expert scaled by
+    its gate. ``ssq``: h's tile sums (M = 1), read by the norms and left by the sum; ``route``: the o projection
+    chose (``o_routed``), h's tile sums are then ``st.ssq_mid``."""
+    c, layer, t = st.config, st.layers[i], w.tables
     m, k = h.shape[0], c.experts_per_token
+    act, swiglu = gate_prologue(c)
     xn, xs, gus, ys = st.moe
     logits, counters, sel, wts = st.route
     fold = None
@@ -66,12 +67,13 @@ def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, h: Any, eps: float, ssq: 
     shared = w.experts[c.num_experts] if len(w.experts) > c.num_experts else None
     gate_up, down = w.experts[0].gate_up, w.experts[0].down  # every routed expert's shape and plan
     p = m * k  # (row, slot) pairs
+    gu_bias = t.gate_up_bias or [None] * len(gate_up)
     if m == 1:
         for j, lin in enumerate(gate_up):  # after the first, each follows a routed GEMV on the same choices
-            ops.gemv(lin, x, pro, pw, eps, 0, gus[:k, lin.col:lin.col + lin.n], EPI_STORE, None, ssq_in=ssq_x,
-                     experts=(w.tables.gate_up[j], sel[0], k), sel_ready=j > 0)
-        ops.gemv(down, gus[:k], PRO_SILU_MUL, None, eps, down.k, ys[:k], EPI_STORE, None,
-                 experts=(w.tables.down, sel[0], k), sel_ready=True)
+            ops.gemv(lin, x, pro, pw, eps, 0, gus[:k, lin.col:lin.col + lin.n], EPI_STORE, gu_bias[j],
+                     ssq_in=ssq_x, experts=(t.gate_up[j], sel[0], k), sel_ready=j > 0)
+        ops.gemv(down, gus[:k], act, None, eps, down.k, ys[:k], EPI_STORE, t.down_bias,
+                 experts=(t.down, sel[0], k), sel_ready=True, swiglu=swiglu)
         index = None
     else:
         source, position, groups = st.group
@@ -81,18 +83,22 @@ def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, h: Any, eps: float, ssq: 
         index = position[:p]
         ops.gather_rows(x, source[:p], xs[:p])
         for j, lin in enumerate(gate_up):
-            ops.experts_gemm(lin, xs[:p], PRO_PLAIN, 0, gus[:p, lin.col:lin.col + lin.n], w.tables.gate_up[j],
-                             groups[:blocks], blocks, rows)
-        ops.experts_gemm(down, gus[:p], PRO_SILU_MUL, down.k, ys[:p], w.tables.down, groups[:blocks], blocks, rows)
+            out = gus[:p, lin.col:lin.col + lin.n]
+            ops.experts_gemm(lin, xs[:p], PRO_PLAIN, 0, out, t.gate_up[j], groups[:blocks], blocks, rows)
+            if gu_bias[j] is not None:
+                ops.expert_bias(out, groups[:blocks], gu_bias[j])
+        ops.experts_gemm(down, gus[:p], act, down.k, ys[:p], t.down, groups[:blocks], blocks, rows, swiglu=swiglu)
+        if t.down_bias is not None:
+            ops.expert_bias(ys[:p], groups[:blocks], t.down_bias)
     if shared is not None:
-        _expert(ops, st, shared, x, pro, pw, ssq_x, ys[p:p + m], eps)
+        _expert(ops, st, shared, x, pro, pw, ssq_x, ys[p:p + m], eps, act, swiglu)
     ops.moe_combine(ys[:p], k, wts[:m], h, index, ys[p:p + m] if shared is not None else None, ssq, fold)
 
 
 def _expert(ops: Any, st: State, expert: ExpertLins, x: Any, pro: int, pw: Any, ssq: Any, y: Any,
-            eps: float) -> None:
-    """y = one expert's SiLU-gated MLP on the rows x (through prologue ``pro``)."""
+            eps: float, act: int, swiglu: tuple[float, float]) -> None:
+    """y = one expert's gated MLP on the rows x (through prologue ``pro``), gate|up combined by prologue ``act``."""
     n = x.shape[0]
     for lin in expert.gate_up:
         ops.gemv(lin, x, pro, pw, eps, 0, st.gu[:n, lin.col:lin.col + lin.n], EPI_STORE, None, ssq_in=ssq)
-    ops.gemv(expert.down, st.gu[:n], PRO_SILU_MUL, None, eps, expert.down.k, y, EPI_STORE, None)
+    ops.gemv(expert.down, st.gu[:n], act, None, eps, expert.down.k, y, EPI_STORE, None, swiglu=swiglu)

@@ -42,7 +42,7 @@ from kestrel_cuda.plan import (
 )
 
 DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
-                        "qwen2_moe", "smollm3", "seed_oss", "glm4", "ernie4_5", "granite")
+                        "qwen2_moe", "gpt_oss", "smollm3", "seed_oss", "glm4", "ernie4_5", "granite")
 
 
 def unsupported_reason(model: Model) -> str | None:
@@ -51,15 +51,19 @@ def unsupported_reason(model: Model) -> str | None:
     (its interleaved RoPE pairs as stored, Gemma's four norms), ERNIE 4.5 (the same pairs), Gemma 3 (post-norms,
     GeGLU, scaled embeddings and queries, a RoPE per layer kind, sliding windows), Gemma 2 (Gemma 3's layers
     without q/k norms, with soft caps on the attention scores and the logits), Granite (scaled embeddings and
-    queries, a residual multiplier, a logits divisor) and the mixtures of experts Qwen3-MoE, Mixtral and
-    Qwen2-MoE (up to ROUTE_MAX_EXPERTS experts, routed on the device); the others (gpt-oss, OLMo 2, EXAONE 4,
-    the latent attention of DeepSeek-V2/V3, MiniMax-M2's whole-projection q/k norms and sigmoid router,
-    dots.llm1's sigmoid router, Cohere's LayerNorms and parallel blocks) run through the GEMM hooks."""
+    queries, a residual multiplier, a logits divisor) and the mixtures of experts Qwen3-MoE, Mixtral, Qwen2-MoE
+    and gpt-oss (attention sinks, biases on q/k/v, o, the router and the experts, its clamped SwiGLU in the
+    routed experts, sliding and full layers, YaRN) (up to ROUTE_MAX_EXPERTS experts, routed on the device); the
+    others (OLMo 2, EXAONE 4, the latent attention of DeepSeek-V2/V3, MiniMax-M2's whole-projection q/k norms and
+    sigmoid router, dots.llm1's sigmoid router, Cohere's LayerNorms and parallel blocks) run through the GEMM
+    hooks."""
     c = model.config
     if c.arch not in DEVICE_ARCHITECTURES:
         return f"architecture {c.arch!r}"
-    if c.activation not in ("silu", "gelu_tanh"):
+    if c.activation not in ("silu", "gelu_tanh", "swiglu_oai"):
         return f"activation {c.activation!r}"
+    if c.activation == "swiglu_oai" and (not c.is_moe or c.dense_layers or c.shared_expert_intermediate_size):
+        return "the clamped SwiGLU outside routed experts (its prologue is the routed GEMVs' and grouped GEMMs')"
     if not c.pre_norms or c.qk_norm_full:
         return "norms only after each block, or q/k norms over the whole projection"
     if c.norm_type != "rms" or c.parallel_block or c.qk_norm_heads:
@@ -68,8 +72,8 @@ def unsupported_reason(model: Model) -> str | None:
         return "multi-head latent attention (DeepSeek-V2/V3's)"
     if c.state_layers or c.attn_output_gate:
         return "recurrent layers (linear attention, short convolutions, Mamba-2) or gated attention"
-    if c.o_bias or c.attn_sinks or c.moe_bias:
-        return "an output projection bias, attention sinks or expert biases"
+    if c.o_bias and c.post_norms:
+        return "an output projection bias with post-norms"
     if c.dense_layers or c.router_scoring != "softmax" or c.router_choice_bias or c.routed_scaling != 1.0:
         return "dense layers among the experts, or a sigmoid, biased or scaled router"
     if c.attn_temperature_scale:
@@ -100,10 +104,13 @@ class ExpertLins:
 @dataclass
 class ExpertTables:
     """A layer's routed experts as one table per projection (``ops.expert_table``): what the chosen-expert
-    GEMVs of a decode step read their weights from."""
+    GEMVs of a decode step read their weights from; with gpt-oss's expert biases, each projection's biases of every
+    expert, float32 [E, n] (the routed GEMVs add an expert's row, ``ops.expert_bias`` a grouped GEMM's)."""
 
     gate_up: list[Any]  # one per member of an expert's gate|up group
     down: Any
+    gate_up_bias: list[Any] | None = None  # one per member, [E, the member's n]
+    down_bias: Any = None  # [E, D]
 
 
 @dataclass
@@ -214,6 +221,12 @@ class Projections:
         tables = ExpertTables([self.ops.expert_table([ex.gate_up[j] for ex in routed])
                                for j in range(len(routed[0].gate_up))],
                               self.ops.expert_table([ex.down for ex in routed]))
+        weights = model.layers[i].experts
+        if weights[0].gate_bias is not None:  # gate|up's biases as its members split the columns
+            gate_up = np.stack([np.concatenate([ex.gate_bias, ex.up_bias]) for ex in weights]).astype(np.float32)
+            tables.gate_up_bias = [self.ops.upload(np.ascontiguousarray(gate_up[:, lin.col:lin.col + lin.n]))
+                                   for lin in routed[0].gate_up]
+            tables.down_bias = self.ops.upload(np.stack([ex.down_bias for ex in weights]).astype(np.float32))
         return LayerLins(qkv=lins[0], o=lins[1][0], gate_up=[], down=None, experts=experts, tables=tables)
 
     def lm_head(self, model: Model) -> Lin:

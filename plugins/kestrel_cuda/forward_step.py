@@ -16,16 +16,16 @@ from kestrel_cuda.forward_state import Projections, State
 from kestrel_cuda.plan import (
     EPI_ADD,
     EPI_STORE,
-    PRO_GELU_MUL,
+    NO_SWIGLU,
     PRO_PLAIN,
     PRO_POSTNORM,
     PRO_RMSNORM,
-    PRO_SILU_MUL,
     TILE_N,
     AttendFold,
     Lin,
     PostNorm,
     QkvRope,
+    gate_prologue,
     head_scale,
 )
 
@@ -48,7 +48,7 @@ class Stepper:
         eps = float(c.rms_norm_eps)
         hd, heads, kv_heads, f = c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
         scale = head_scale(hd) if c.query_scale is None else float(np.float32(c.query_scale))
-        act = PRO_GELU_MUL if c.activation == "gelu_tanh" else PRO_SILU_MUL
+        act, swiglu = gate_prologue(c)
         softcap = float(c.attn_softcap or 0)  # Gemma 2's scores, tanh-capped before the softmax (0: none)
         # Granite's residual multiplier scales the o and down projections' sums in the residual add's epilogue,
         # not their weights' scales at load: the weight cache shares those with the GEMM hooks, whose host
@@ -114,7 +114,7 @@ class Stepper:
             normed = (after is not None and after.weights is not None and layer.post_mlp_norm is None and rs == 1.0
                       and ops.norm_fold(m, w.down, after.weights.qkv))
             pending = self._residual(w.down, st.gu[:m], act, f, layer.post_mlp_norm, st, h, m, eps, ssq, fold,
-                                     fold_norm=after.attn_norm if normed else None, add_scale=rs)
+                                     fold_norm=after.attn_norm if normed else None, add_scale=rs, swiglu=swiglu)
         if rows:
             lm = st.lm_head or self.projections.lm_head(st.model)
             out = st.logits_all[:rows] if rows > 1 else st.logits
@@ -140,7 +140,8 @@ class Stepper:
 
     def _residual(self, lin: Lin, x: Any, pro: int, xoff: int, post_norm: Any, st: State, h: Any, m: int,
                   eps: float, ssq: Any, fold: tuple[Any, Any] | None, quantized: bool = False,
-                  fold_norm: Any = None, add_scale: float = 1.0, bias: Any = None) -> PostNorm | None:
+                  fold_norm: Any = None, add_scale: float = 1.0, bias: Any = None,
+                  swiglu: tuple[float, float] = NO_SWIGLU) -> PostNorm | None:
         """h += (lin(prologue(x)) + bias) * add_scale, or h += rmsnorm(lin(prologue(x)), post_norm) (Gemma's
         post-norms, no bias, add_scale 1: forward_state.unsupported_reason): with
         ``fold`` (the two residual rows, h one of them) left to the next normed GEMV, which stores the sum in the
@@ -148,7 +149,7 @@ class Stepper:
         weights, h's new rows quantized for the normed GEMMs after it (ops.gemv)."""
         if post_norm is None:
             self.ops.gemv(lin, x, pro, None, eps, xoff, h, EPI_ADD, bias, ssq_out=ssq, quantized=quantized,
-                          fold_norm=fold_norm, add_scale=add_scale)
+                          fold_norm=fold_norm, add_scale=add_scale, swiglu=swiglu)
             return None
         if add_scale != 1.0 or bias is not None:
             raise ValueError("a residual multiplier or a bias with post-norms: forward_state.unsupported_reason "
@@ -156,8 +157,8 @@ class Stepper:
         if fold is not None:
             other = fold[1] if h is fold[0] else fold[0]
             post = PostNorm(post_norm, h, st.out[:1], st.post[1], other)
-            self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:1], EPI_STORE, None, post=post)
+            self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:1], EPI_STORE, None, post=post, swiglu=swiglu)
             return post
-        self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:m], EPI_STORE, None, quantized=quantized)
+        self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:m], EPI_STORE, None, quantized=quantized, swiglu=swiglu)
         self.ops.norm_add(st.out[:m], post_norm, eps, h, ssq_out=ssq)
         return None

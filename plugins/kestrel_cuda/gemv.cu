@@ -59,7 +59,8 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // where A = prologue(X): pro 0: X; pro 1: rmsnorm(X, pw, eps); pro 2: silu(X[:, k]) * X[:, k + xoff]; pro 3:
 // gelu_tanh(X[:, k]) * X[:, k + xoff]; pro 4 (M = 1): rmsnorm(h', pw, eps) for h' = X + pn_src / ro, a
 // post-norm (plan.PostNorm) whose sums pn_stats holds (postnorm_rms) and whose weight its projection has applied
-// (pn_src = out * w); column tile 0 stores h' in pn_next.
+// (pn_src = out * w); column tile 0 stores h' in pn_next; pro 5 (FOLD_EXPERTS): swiglu_oai(X[:, k],
+// X[:, k + xoff]) with clamp glimit and slope galpha (gpt-oss's).
 // quantized per G-block exactly as contract.quantize_activations.
 // Grid: x = column tiles of TN, y = K splits (chunks of KC strided by gridDim.y), z = row blocks of MR.
 // A chunk is 256 rows, one 32-row slot a warp (int8: 32 KB, int4: 16 KB). int4 chunks of 512 rows (two slots
@@ -72,7 +73,8 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // part[y][m][Npad] and the last block of a tile to arrive on its counter (then reset) reads them back.
 // With etab (MR = 1 only: a mixture of experts' chosen experts, one a row) block z's weights are expert esel[z]'s,
 // codes and scales pointers etab[2e], etab[2e + 1] of the same shape; row z of X (ldx 0: one row for all) and
-// of Y is the slot's. The table's NT rows are copied to NT * 16 bytes of dynamic shared memory before the PDL
+// of Y is the slot's (FOLD_EXPERTS: a bias is the expert's row of bias [E][N]). The table's NT rows are copied to
+// NT * 16 bytes of dynamic shared memory before the PDL
 // wait, so the weights are one L2 round trip (esel) after it. Such a block lets its dependents launch only once
 // it knows esel, so when a routed GEMV follows another on the same choices (esel_ready: the router's kernel has
 // completed before it can launch), it reads esel before its PDL wait and streams its first weights while its
@@ -90,9 +92,12 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 //   last rgroups column tiles of the grid are the router's (route.cuh route_part): they run beside the
 //   projection's blocks, from h and the projection's input, and choose (moe_combine weighs the choice);
 // - FOLD_ATTENTION (M = 1: the q|k|v projection with qout, its K splits one cluster a head): decode attention in
-//   the q heads' clusters (attend.cuh), the KV heads' tiles first in the grid.
+//   the q heads' clusters (attend.cuh), the KV heads' tiles first in the grid;
+// - FOLD_EXPERTS (a routed GEMV, etab: gpt-oss's experts): each slot's expert's row of biases, and prologue 5, its
+//   clamped SwiGLU (the instances of every other model keep their code: none of this is in them).
 #define FOLD_ROUTER 1
 #define FOLD_ATTENTION 2
+#define FOLD_EXPERTS 3
 template <int BITS, int G, int MR, int FOLD>
 __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
@@ -105,12 +110,15 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const int* __restrict__ esel, int esel_ready, const float* __restrict__ pn_w, const float* __restrict__ pn_src,
     float* pn_stats, float* __restrict__ pn_next, const float* __restrict__ rw, int rgroups, int rrows, int rexperts,
     int rk, int rnorm_topk, int rspan, float* rpart, int* rcount, int* rsel, float* rwts, float* aout,
-    float ascale, int awindow, unsigned long long* akv, unsigned* aepoch)
+    float ascale, int awindow, unsigned long long* akv, unsigned* aepoch, float glimit, float galpha)
 {
     constexpr int KC = NT;                      // rows of a chunk: one 32-row slot a warp, one row a thread
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words of one slot
     if constexpr (FOLD == FOLD_ROUTER) {  // MR = 1, the o projection: no other option (constants: no spills)
         pro = 0; epi = 0; etab = nullptr; qout = nullptr; pn_stats = nullptr; ssq_in = nullptr; epochs = nullptr;
+    }
+    if constexpr (FOLD == FOLD_EXPERTS) {  // MR = 1, etab: no RoPE, post-norm or tagged merge
+        qout = nullptr; pn_stats = nullptr; epochs = nullptr;
     }
     const bool routed = MR == 1 && etab;
     if (!routed) grid_dep_launch();  // the wait follows the block's first weight loads
@@ -217,7 +225,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         constexpr bool early = MR == 1;
         const bool eok = early && m0 < M && k0 + tid < K;
         const float xe = eok ? __ldcg(X + (size_t)m0 * ldx + k0 + tid) : 0.f;
-        const float ue = eok && (pro == 2 || pro == 3) ? __ldcg(X + (size_t)m0 * ldx + k0 + tid + xoff)
+        const float ue = eok && (pro == 2 || pro == 3 || (FOLD == FOLD_EXPERTS && pro == 5))
+                         ? __ldcg(X + (size_t)m0 * ldx + k0 + tid + xoff)
                          : eok && pro == 4 ? __ldcg(pn_src + k0 + tid) : 0.f;  // pro 4: out
         if (pro == 1 && c == (int)blockIdx.y && ssq_in) {  // M = 1: from the tile sums
             r1 = rms_from_tiles(ssq_in, K, eps);  // every warp: s_r is not needed (ssq_in implies MR = 1)
@@ -257,6 +266,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                     v = xk / (1.f + expf(-xk)) * (early ? ue : xr[k + xoff]);
                 } else if (pro == 3) {
                     v = gelu_tanh_mul(xk, early ? ue : xr[k + xoff]);
+                } else if (FOLD == FOLD_EXPERTS && pro == 5) {
+                    v = swiglu_oai_mul(xk, early ? ue : xr[k + xoff], glimit, galpha);
                 } else {
                     v = xk;
                 }
@@ -351,7 +362,11 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const bool nok = tid < TN && n < N;
 #pragma unroll
     for (int i = 0; i < MR; ++i) yin[i] = nok && epi == 1 && m0 + i < M ? Y[(size_t)(m0 + i) * ldy + n] : 0.f;
-    if (nok && bias) bn = __ldcg(bias + n);  // through L2: the router fold's bias is the residual stream
+    if (nok && bias) {  // through L2: the router fold's bias is the residual stream
+        // FOLD_EXPERTS: the slot's expert's row (esel read again: no register held through the loop)
+        const float* b = FOLD == FOLD_EXPERTS ? bias + (size_t)__ldcg(esel + blockIdx.z) * N : bias;
+        bn = __ldcg(b + n);
+    }
     const bool pn_prod = pn_stats && pro != 4;  // the projection before a post-norm: its sums
     const float hres = pn_prod && nok ? __ldcg(pn_src + n) : 0.f, pwn = pn_prod && nok ? __ldg(pn_w + n) : 0.f;
     // FOLD_ATTENTION: the attention's arguments, and in block 0 the launch's tag

@@ -255,3 +255,20 @@ extern "C" __global__ void __launch_bounds__(NT) moe_group(
     for (int g = total + threadIdx.x; g < capacity; g += NT) groups[3 * g] = groups[3 * g + 1] = groups[3 * g + 2] = 0;
 }
 #undef GROUP_CHUNK
+
+// Y[q][n] += bias[e][n] for the rows q of each of a grouped GEMM's groups (expert e, first row, rows: moe_group's;
+// a count of 0, a block past the step's groups, does nothing): gpt-oss's expert biases, on a step of several rows'
+// gate|up and down outputs (a decode step's routed GEMVs add them in their epilogue). Grid (ceil(N / NT), the
+// groups); a thread a column, the group's rows in order.
+extern "C" __global__ void __launch_bounds__(NT) moe_bias(
+    float* __restrict__ Y, int ldy, int N, const int* __restrict__ groups, const float* __restrict__ bias)
+{
+    grid_dep_launch();
+    grid_dep_wait();
+    const int* g = groups + 3 * blockIdx.y;     // step data: through L2, after the wait (moe_combine's index)
+    const int n = blockIdx.x * NT + threadIdx.x, count = __ldcg(g + 2);
+    if (count == 0 || n >= N) return;
+    const float b = __ldg(bias + (size_t)__ldcg(g) * N + n);
+    float* y = Y + (size_t)g[1] * ldy + n;
+    for (int r = 0; r < count; ++r) y[(size_t)r * ldy] += b;
+}

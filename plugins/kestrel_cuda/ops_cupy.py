@@ -31,13 +31,16 @@ from kestrel_cuda.plan import (
     EXPERT_TABLE_ROWS,
     FINISH_COLS,
     FOLD_ATTENTION,
+    FOLD_EXPERTS,
     FOLD_ROUTER,
     MAX_HEAD_DIM,
     MERGE_MODES,
     MERGE_SPLITS,
+    NO_SWIGLU,
     PRO_PLAIN,
     PRO_POSTNORM,
     PRO_RMSNORM,
+    PRO_SWIGLU_OAI,
     SMALL_M,
     TILE_N,
     AttendFold,
@@ -56,13 +59,16 @@ ATTN_DECODE_LANE_DIMS = (4, 8)  # attn_decode instances: a lane's dimensions (he
 QUANT_CHUNK = 256 * 4  # elements of a row that one quantize_rows block takes (rows.cu: NT * QUANT_LOADS)
 # (bits, G, MR, FOLD): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8);
 # FOLD_ROUTER: a decode step's o projection with its router's blocks beside it (plan.RouteFold, G = 32);
-# FOLD_ATTENTION: its q|k|v projection with decode attention in its clusters (plan.AttendFold)
+# FOLD_ATTENTION: its q|k|v projection with decode attention in its clusters (plan.AttendFold); FOLD_EXPERTS: a
+# routed GEMV with its experts' biases or prologue PRO_SWIGLU_OAI (gpt-oss's)
 GEMV_VARIANTS = ([(bits, g, mr, 0) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
                  + [(bits, 32, 1, FOLD_ROUTER) for bits in (8, 4)]
-                 + [(bits, g, 1, FOLD_ATTENTION) for bits in (8, 4) for g in (32, 256)])
+                 + [(bits, g, 1, fold) for fold in (FOLD_ATTENTION, FOLD_EXPERTS) for bits in (8, 4)
+                    for g in (32, 256)])
+QUANT_VARIANTS = [(g, oai) for g in (32, 256) for oai in (False, True)]  # quantize_rows<G, OAI>: OAI has PRO 5
 # extern "C" kernels: no name expression
 KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "norm_add_rows", "finish_logits", "lm_finish",
-           "argmax_rows", "moe_route", "moe_combine", "moe_group")
+           "argmax_rows", "moe_route", "moe_combine", "moe_group", "moe_bias")
 Observer = Callable[[str, Callable[[], None]], None]
 
 
@@ -70,7 +76,7 @@ def forward_kernel_names() -> list[str]:
     """The name expressions of every template kernel of the forward module (``FORWARD_SOURCES``)."""
     return ([f"qgemv<{b},{g},{mr},{fold}>" for b, g, mr, fold in GEMV_VARIANTS]
             + [f"attn_decode<{ATTN_SPLITS}, {j}>" for j in ATTN_DECODE_LANE_DIMS]
-            + ["quantize_rows<32>", "quantize_rows<256>"]
+            + [f"quantize_rows<{g}, {str(oai).lower()}>" for g, oai in QUANT_VARIANTS]
             + [f"attn_rows<{hd}>" for hd in ATTN_ROWS_HEAD_DIMS])
 
 
@@ -124,7 +130,7 @@ class CupyOps(MoeOps, AttentionOps):
         for hdp, fn in self._attn_rows.items():
             fn.max_dynamic_shared_size_bytes = _attn_rows_smem(hdp, ATTN_ROWS_HEADS)
         self._attn_rows_regs = {hdp: int(fn.attributes.get("num_regs", 0)) for hdp, fn in self._attn_rows.items()}
-        self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
+        self._quant = {v: mod.get_function(f"quantize_rows<{v[0]}, {str(v[1]).lower()}>") for v in QUANT_VARIANTS}
         self._fn = {name: mod.get_function(name) for name in KERNELS}
         self._fn["attn_prefill"].max_dynamic_shared_size_bytes = _attn_prefill_smem(MAX_HEAD_DIM)
         self.gemm = gemm
@@ -300,16 +306,19 @@ class CupyOps(MoeOps, AttentionOps):
              bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None,
              experts: tuple[Any, Any, int] | None = None, sel_ready: bool = False,
              post: PostNorm | None = None, quantized: bool = False, fold_norm: Any = None,
-             prenormed: bool = False, route: RouteFold | None = None, add_scale: float = 1.0) -> None:
+             prenormed: bool = False, route: RouteFold | None = None, add_scale: float = 1.0,
+             swiglu: tuple[float, float] = NO_SWIGLU) -> None:
         """``add_scale`` (EPI_ADD, none of the folds below): y += (lin(x) + bias) * add_scale, Granite's residual
-        multiplier (plan.check_add_scale). ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of
+        multiplier (plan.check_add_scale). ``swiglu``: prologue PRO_SWIGLU_OAI's (clamp, slope) (plan.gate_prologue).
+        ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of
         squares, read by an RMSNorm prologue (pro 1) instead of the row, written with a residual-add epilogue's
         outputs. ``post`` (M = 1):
         with pro PRO_POSTNORM this GEMV reads the post-norm (x is its ``h``), else it is the projection before
         it (y is its ``out``). ``rope`` (M = 1,
         one head per column tile): the epilogue does qkv_rope's work instead of storing. ``experts`` (table,
         sel, slots): row j of y gets the expert sel[j] of ``table`` (``expert_table``; ``lin`` has their shape
-        and plan) on row j of x, or on its one row; ``sel_ready``: the launch before this one in the stream is
+        and plan) on row j of x, or on its one row, plus row sel[j] of ``bias`` [experts, lin.n] where there is
+        one; ``sel_ready``: the launch before this one in the stream is
         a routed GEMV on the same ``sel`` (gemv.cu: this one then reads sel before its PDL wait). ``quantized``
         (M > 1, the tiled GEMM, PRO_PLAIN, G = 32): x's codes are where that GEMM reads them already
         (``attention(quantize_for=lin)`` wrote them), so no prologue kernel runs. The norm fold (M > 1, where
@@ -327,11 +336,14 @@ class CupyOps(MoeOps, AttentionOps):
         if m > 1:
             ssq_in = ssq_out = None
         ldx = _ld(x)
+        if experts is not None and bias is not None and tuple(bias.shape[1:]) != (lin.n,):
+            raise ValueError(f"a routed GEMV's biases are [experts, {lin.n}], got {tuple(bias.shape)}")
         if experts is not None:
             table, sel, m = experts
             ldx = _i32(0) if x.shape[0] == 1 else ldx
         elif m > 1 and self.gemm is not None:
-            self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias, quantized, fold_norm, prenormed, add_scale)
+            self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias, quantized, fold_norm, prenormed, add_scale,
+                        swiglu)
             return
         if quantized or prenormed or fold_norm is not None:
             raise ValueError("pre-quantized rows are the tiled GEMM's (M > 1)")
@@ -339,7 +351,11 @@ class CupyOps(MoeOps, AttentionOps):
         mr = 1 if one else SMALL_M
         ksplit = lin.ksplit if one else 1
         attend = rope.attend if rope is not None else None
-        fold = FOLD_ROUTER if route is not None else FOLD_ATTENTION if attend is not None else 0
+        oai = experts is not None and (bias is not None or pro == PRO_SWIGLU_OAI)  # gpt-oss's routed GEMVs
+        if pro == PRO_SWIGLU_OAI and not oai:
+            raise ValueError("the clamped SwiGLU prologue runs in routed GEMVs (M = 1) and the tiled GEMMs' rows")
+        fold = (FOLD_ROUTER if route is not None else FOLD_ATTENTION if attend is not None
+                else FOLD_EXPERTS if oai else 0)
         fn = self._gemv[(lin.bits, lin.group_size, mr, fold)]
         cluster = ksplit if one and lin.cluster and self.cluster else 1
         if attend is not None and (m != 1 or cluster < 2):
@@ -359,11 +375,12 @@ class CupyOps(MoeOps, AttentionOps):
                      _ptr(self.epochs if tagged else None), _ptr(ssq_in), _ptr(ssq_out), *_rope_args(rope),
                      *((_ptr(None), _ptr(None)) if experts is None else (_ptr(table), _ptr(sel))),
                      _i32(sel_ready and experts is not None), *_post_args(post, pro), *_route_args(route),
-                     *_attend_args(attend)),
+                     *_attend_args(attend), np.float32(swiglu[0]), np.float32(swiglu[1])),
                     EXPERT_TABLE_ROWS * 16 if experts is not None else 0, cluster=cluster, name="qgemv")
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
-               bias: Any, quantized: bool, fold_norm: Any, prenormed: bool, add_scale: float = 1.0) -> None:
+               bias: Any, quantized: bool, fold_norm: Any, prenormed: bool, add_scale: float = 1.0,
+               swiglu: tuple[float, float] = NO_SWIGLU) -> None:
         """Prologue kernel -> codes/scales, the tiled GEMM (gemm.DeviceGemm) -> tmp, epilogue kernel -> y;
         without a bias or a residual multiplier the GEMM stores into y, or adds to it (EPI_ADD), itself."""
         m, k, g = x.shape[0], lin.k, lin.group_size
@@ -374,7 +391,7 @@ class CupyOps(MoeOps, AttentionOps):
             raise ValueError("the norm fold goes from a residual add (no bias) to an RMSNorm prologue")
         codes, scales, ssq = self.norm_input(m, k) if prenormed else (*self.gemm_input(m, k, g), None)
         if not (quantized or prenormed):
-            self._quantize_rows(x, m, k, g, pro, pw, eps, xoff, codes, scales)
+            self._quantize_rows(x, m, k, g, pro, pw, eps, xoff, codes, scales, swiglu)
         elif quantized and (g != ATTN_CODES_GROUP or pro != PRO_PLAIN):
             raise ValueError(f"pre-quantized rows are plain G = {ATTN_CODES_GROUP} codes")
         weight = _as_device_weight(lin)
@@ -409,11 +426,11 @@ class CupyOps(MoeOps, AttentionOps):
                                         [_as_device_weight(c).geometry for c in consumers]))
 
     def _quantize_rows(self, x: Any, m: int, k: int, g: int, pro: int, pw: Any, eps: float, xoff: int,
-                       codes: Any, scales: Any) -> None:
+                       codes: Any, scales: Any, swiglu: tuple[float, float] = NO_SWIGLU) -> None:
         """codes [m, k] int8 and scales [m, k / g] of prologue ``pro`` of x's rows (rows.cu quantize_rows)."""
-        self.launch(self._quant[g], (-(-k // QUANT_CHUNK), m), (256,),
+        self.launch(self._quant[(g, pro == PRO_SWIGLU_OAI)], (-(-k // QUANT_CHUNK), m), (256,),
                     (_ptr(x), _ld(x), _i32(m), _i32(k), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
-                     _ptr(codes), _ptr(scales)), name="quantize_rows")
+                     _ptr(codes), _ptr(scales), np.float32(swiglu[0]), np.float32(swiglu[1])), name="quantize_rows")
 
     def _gemm_q8(self, codes: Any, scales: Any, weight: Any, out: Any, n: int, accumulate: bool,
                  fold: tuple | None = None, row_ssq: tuple | None = None) -> None:

@@ -12,7 +12,7 @@ from kestrel_cuda.forward_launch import i32_arg as _i32
 from kestrel_cuda.forward_launch import ld_arg as _ld
 from kestrel_cuda.forward_launch import ptr_arg as _ptr
 from kestrel_cuda.layout import Geometry
-from kestrel_cuda.plan import EXPERT_TABLE_ROWS, ROUTE_ROWS, Lin, RouteFold, check_expert_table
+from kestrel_cuda.plan import EXPERT_TABLE_ROWS, NO_SWIGLU, ROUTE_ROWS, Lin, RouteFold, check_expert_table
 
 
 class MoeOps:
@@ -64,18 +64,25 @@ class MoeOps:
                     name="moe_combine")
 
     def experts_gemm(self, lin: Lin, x: Any, pro: int, xoff: int, y: Any, table: Any, groups: Any,
-                     blocks: int, rows: int) -> None:
-        """y[:P, :lin.n] = each expert's projection of its rows of x [P, K] (prologue ``pro``), the rows sorted
-        by expert as ``groups`` int32 [blocks, 3] (expert, first row, rows) says; ``table``: ``expert_table``
-        of experts shaped like ``lin`` (gemm.DeviceGemm.grouped)."""
+                     blocks: int, rows: int, swiglu: tuple[float, float] = NO_SWIGLU) -> None:
+        """y[:P, :lin.n] = each expert's projection of its rows of x [P, K] (prologue ``pro``, ``swiglu`` its
+        clamped SwiGLU's as ``gemv``'s), the rows sorted by expert as ``groups`` int32 [blocks, 3] (expert, first
+        row, rows) says; ``table``: ``expert_table`` of experts shaped like ``lin`` (gemm.DeviceGemm.grouped)."""
         if self.gemm is None:
             raise RuntimeError("a mixture of experts' step of several rows needs the tiled GEMM")
         p, k, g = x.shape[0], lin.k, lin.group_size
         codes, scales = self.gemm_input(p, k, g)
-        self._quantize_rows(x, p, k, g, pro, None, 0.0, xoff, codes, scales)
+        self._quantize_rows(x, p, k, g, pro, None, 0.0, xoff, codes, scales, swiglu)
         geometry = Geometry(k, lin.npad, k // g, lin.bits)
 
         def run() -> None:
             self.launches += 1
             self.gemm.grouped(codes, scales, geometry, table, groups, blocks, y, lin.n, self.stream, rows)
         self._observed("gemm_q8 (grouped)", run)
+
+    def expert_bias(self, y: Any, groups: Any, bias: Any) -> None:
+        """y[q] += bias[e] for the rows q of each of ``groups`` (``experts_gemm``'s, [blocks, 3]): a grouped
+        GEMM's outputs y [P, N] plus their experts' biases ``bias`` [E, N] (moe.cu moe_bias)."""
+        n = y.shape[1]
+        self.launch(self._fn["moe_bias"], (-(-n // 256), groups.shape[0]), (256,),
+                    (_ptr(y), _ld(y), _i32(n), _ptr(groups), _ptr(bias)), name="moe_bias")

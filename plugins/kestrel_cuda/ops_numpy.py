@@ -17,18 +17,20 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.contract import quantize_activations
-from kestrel_core.model.host_ops import gelu_tanh_mul
+from kestrel_core.model.host_ops import gelu_tanh_mul, swiglu_oai_mul
 from kestrel_cuda.gemm import SPLIT_MAX_M, split_fits
 from kestrel_cuda.kernels import MMA_TILE_SPLIT_SMALL, MMA_TILES
 from kestrel_cuda.layout import unpack_kmajor
 from kestrel_cuda.plan import (
     EPI_ADD,
     KV_BLOCK,
+    NO_SWIGLU,
     PRO_GELU_MUL,
     PRO_PLAIN,
     PRO_POSTNORM,
     PRO_RMSNORM,
     PRO_SILU_MUL,
+    PRO_SWIGLU_OAI,
     SSQ_COLS,
     TILE_N,
     Lin,
@@ -50,7 +52,7 @@ def _rms_from_tiles(tiles: np.ndarray, n: int, eps: float) -> np.float32:
 
 
 def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
-              ssq: np.ndarray | None = None) -> np.ndarray:
+              ssq: np.ndarray | None = None, swiglu: tuple[float, float] = NO_SWIGLU) -> np.ndarray:
     xv = np.asarray(x, np.float32)
     if pro == PRO_RMSNORM:  # the sum of squares of each row's 32-column tiles (M = 1: its producer's), in one order
         tiles = [ssq[:ssq_count(k)]] if ssq is not None else [_row_ssq(row) for row in xv[:, :k]]
@@ -62,6 +64,8 @@ def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float
             return g / (np.float32(1) + np.exp(-g)) * xv[:, xoff:xoff + k]
     if pro == PRO_GELU_MUL:
         return gelu_tanh_mul(xv[:, :k].copy(), xv[:, xoff:xoff + k])
+    if pro == PRO_SWIGLU_OAI:
+        return swiglu_oai_mul(xv[:, :k].copy(), xv[:, xoff:xoff + k], np.float32(swiglu[0]), np.float32(swiglu[1]))
     return xv[:, :k]
 
 
@@ -76,7 +80,7 @@ def _folded(x: np.ndarray, k: int, pw: np.ndarray, eps: float) -> tuple[np.ndarr
 
 
 def _qgemv(lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
-           ssq: np.ndarray | None, prenormed: bool = False) -> np.ndarray:
+           ssq: np.ndarray | None, prenormed: bool = False, swiglu: tuple[float, float] = NO_SWIGLU) -> np.ndarray:
     """qgemv's sums [M, n]: exact integer block sums of the quantized prologue and ``lin``'s codes, scaled;
     ``prenormed``: the norm fold's codes of x instead, each row's sums times its 1 / rms."""
     m, g = x.shape[0], lin.group_size
@@ -84,7 +88,7 @@ def _qgemv(lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float,
     if prenormed:
         a_codes, a_scales, rinv = _folded(x, lin.k, pw, eps)
     else:
-        a_codes, a_scales = quantize_activations(_prologue(x, lin.k, pro, pw, eps, xoff, ssq), g)  # [M, K]
+        a_codes, a_scales = quantize_activations(_prologue(x, lin.k, pro, pw, eps, xoff, ssq, swiglu), g)  # [M, K]
     w = unpack_kmajor(lin.codes, lin.bits)[:lin.k]  # [K, Npad]
     ng = lin.k // g
     isum = np.einsum("mgi,gin->mgn", a_codes.reshape(m, ng, g).astype(np.int64),
@@ -255,7 +259,8 @@ class NumpyOps:
              ssq_out: np.ndarray | None = None, rope: QkvRope | None = None,
              experts: tuple[list[Lin], np.ndarray, int] | None = None, sel_ready: bool = False,
              post: PostNorm | None = None, quantized: bool = False, fold_norm: np.ndarray | None = None,
-             prenormed: bool = False, route: RouteFold | None = None, add_scale: float = 1.0) -> None:
+             prenormed: bool = False, route: RouteFold | None = None, add_scale: float = 1.0,
+             swiglu: tuple[float, float] = NO_SWIGLU) -> None:
         # ``quantized``: CupyOps' codes written by attention; here x's rows are quantized as those were. The
         # norm fold: a ``prenormed`` GEMV reads the rows the last ``fold_norm`` residual add stored, for its norm
         if prenormed and (self._fold is None or self._fold[1] is not pw or not _same_rows(self._fold[0], x)):
@@ -268,18 +273,20 @@ class NumpyOps:
         check_add_scale(add_scale, epi, folded or route is not None)
 
         def fn() -> None:
-            if experts is not None:  # row j: expert sel[j] on row j of x (or its one row)
+            if experts is not None:  # row j: expert sel[j] on row j of x (or its one row), its row of biases
                 table, sel, slots = experts
                 for j in range(slots):
                     xr = x[:1] if x.shape[0] == 1 else x[j:j + 1]
-                    out = _qgemv(table[int(sel[j])], xr, pro, pw, eps, xoff, None)
+                    out = _qgemv(table[int(sel[j])], xr, pro, pw, eps, xoff, None, swiglu=swiglu)
+                    if bias is not None:
+                        out = out + bias[int(sel[j])]
                     y[j:j + 1] = y[j:j + 1] + out if epi == EPI_ADD else out
                 return
             if post is not None and pro == PRO_POSTNORM:  # the GEMV after a post-norm: it stores h'
                 post.h_next[...], a = _postnorm(x, lin.k, pw, eps, post)
                 out = _qgemv(lin, a, PRO_PLAIN, None, eps, 0, None)
             else:
-                out = _qgemv(lin, x, pro, pw, eps, xoff, ssq_in, prenormed)
+                out = _qgemv(lin, x, pro, pw, eps, xoff, ssq_in, prenormed, swiglu)
             if bias is not None:
                 out = out + bias
             if rope is not None:  # the epilogue does qkv_rope's work instead of storing
@@ -366,10 +373,17 @@ class NumpyOps:
         self._run(fn)
 
     def experts_gemm(self, lin: Lin, x: np.ndarray, pro: int, xoff: int, y: np.ndarray, table: list[Lin],
-                     groups: np.ndarray, blocks: int, rows: int) -> None:
+                     groups: np.ndarray, blocks: int, rows: int, swiglu: tuple[float, float] = NO_SWIGLU) -> None:
         def fn() -> None:
             for e, row0, count in groups[:blocks]:  # each at most ``rows`` positions: the kernel's tile only
-                y[row0:row0 + count] = _qgemv(table[int(e)], x[row0:row0 + count], pro, None, 0.0, xoff, None)
+                y[row0:row0 + count] = _qgemv(table[int(e)], x[row0:row0 + count], pro, None, 0.0, xoff, None,
+                                              swiglu=swiglu)
+        self._run(fn)
+
+    def expert_bias(self, y: np.ndarray, groups: np.ndarray, bias: np.ndarray) -> None:
+        def fn() -> None:
+            for e, row0, count in groups:
+                y[row0:row0 + count] += bias[int(e)]
         self._run(fn)
 
     def finish_logits(self, logits: np.ndarray, div: float, cap: float) -> None:

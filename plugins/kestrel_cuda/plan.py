@@ -36,9 +36,11 @@ ATTN_CODES_GROUP = 32  # attn_rows writes the o projection's codes at this group
 MAX_HEAD_DIM = 256  # attention and qkv_rope keep hd/32 (<= 8) values a lane
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL, PRO_GELU_MUL = 0, 1, 2, 3  # prologues (gemv.cu, rows.cu)
 PRO_POSTNORM = 4  # gemv.cu, M = 1: rmsnorm(h + rmsnorm(out, w)) from a PostNorm's tile sums
+PRO_SWIGLU_OAI = 5  # gpt-oss's clamped SwiGLU (gemv.cu, rows.cu): its clamp and slope are the launch's own
+NO_SWIGLU = (0.0, 0.0)  # the (clamp, slope) of a launch whose prologue is another
 POSTNORM_MAX_D = 64 * TILE_N  # widest residual stream a PostNorm folds (forward.cuh postnorm_rms: two loads a lane)
 EPI_STORE, EPI_ADD = 0, 1
-FOLD_ROUTER, FOLD_ATTENTION = 1, 2  # what else an M = 1 qgemv instance does (gemv.cu FOLD)
+FOLD_ROUTER, FOLD_ATTENTION, FOLD_EXPERTS = 1, 2, 3  # what else an M = 1 qgemv instance does (gemv.cu FOLD)
 PASS_ROWS = 1024  # rows of one pass of a pooled step: a whole prompt chunk (PREFILL_CHUNK) beside 512 decode rows
 KV_BLOCK = 32  # positions per block of the paged KV pool (rope.cuh KV_BLOCK): the engine's page size
 KV_DTYPE = np.float16  # keys and values on the device (forward.cuh kv_t), rounded as the CPU decoder rounds them
@@ -197,6 +199,14 @@ def check_route_fold(route: RouteFold, lin: Lin, m: int, pro: int, epi: int, bia
     if (m != 1 or pro != PRO_PLAIN or epi != EPI_STORE or bias is None or other or lin.group_size != 32
             or route.span != route_fold_span(lin.n, lin.k, lin.ksplit)):
         raise ValueError("a router folds into the o projection's M = 1 GEMV at G = 32 only, storing h + o(x)")
+
+
+def gate_prologue(config: Any) -> tuple[int, tuple[float, float]]:
+    """The prologue that combines an MLP's gate|up output for the down projection by ``config``'s activation
+    (SwiGLU, GeGLU, gpt-oss's clamped SwiGLU), and the clamped SwiGLU's (clamp, slope) (NO_SWIGLU otherwise)."""
+    if config.activation == "swiglu_oai":
+        return PRO_SWIGLU_OAI, (float(np.float32(config.swiglu_limit)), float(np.float32(config.swiglu_alpha)))
+    return (PRO_GELU_MUL if config.activation == "gelu_tanh" else PRO_SILU_MUL), NO_SWIGLU
 
 
 def check_add_scale(add_scale: float, epi: int, folded: bool) -> None:

@@ -23,15 +23,16 @@ extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, con
 }
 
 // Prologue alone, for the tiled-GEMM path: A = prologue(X) quantized per G-block -> codes [M][K], scales
-// [M][K/G]. One block per (row, chunk of NT * QUANT_LOADS elements); a thread takes elements tid + i NT of its
+// [M][K/G]; the prologues are qgemv's 0-3, and in the OAI instances 5 (glimit, galpha: gpt-oss's clamped SwiGLU;
+// the other instances, every other model's, keep their code). One block per (row, chunk of NT * QUANT_LOADS elements); a thread takes elements tid + i NT of its
 // chunk, so warp w holds group 8 i + w of it whole (G = 32; G = 256: the 8 warps' of pass i). The RMSNorm's sum
 // of squares is thread_ssq's; a row of up to NT * ROW_LOADS takes one round trip of loads, the block's values
 // being among thread_ssq's. Four values a thread measured best at 64 rows (docs/performance.md).
 #define QUANT_LOADS 4
-template <int G>
+template <int G, bool OAI>
 __global__ void __launch_bounds__(NT) quantize_rows(
     const float* __restrict__ X, int ldx, int M, int K, int pro, const float* __restrict__ pw, float eps,
-    int xoff, signed char* __restrict__ codes, float* __restrict__ scales)
+    int xoff, signed char* __restrict__ codes, float* __restrict__ scales, float glimit, float galpha)
 {
     static_assert(G == 32 || G == NT, "a group: one warp's or the block's values of a pass");
     grid_dep_launch();
@@ -76,6 +77,7 @@ __global__ void __launch_bounds__(NT) quantize_rows(
         for (int i = 0; i < QUANT_LOADS; ++i) {
             if (pro == 2) v[i] = v[i] / (1.f + expf(-v[i])) * u[i];
             else if (pro == 3) v[i] = gelu_tanh_mul(v[i], u[i]);
+            else if (OAI && pro == 5) v[i] = swiglu_oai_mul(v[i], u[i], glimit, galpha);
         }
     }
     float amax[QUANT_LOADS];

@@ -15,6 +15,7 @@ above that band.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ JITTER_SEEDS = (5, 6)  # the effect is the larger over these nudges
 
 _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 64}
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+         "beta_slow": 1.0, "truncate": False, "attention_factor": 0.1 * math.log(4.0) + 1}
 
 # Small models of each family for the checks: llama (tied embedding, llama3 RoPE scaling, odd vocabulary so
 # lm_head N % 4 != 0), qwen2 (q/k/v bias; F=320 is not a multiple of 256, so g256 modes fall back to G=32
@@ -45,7 +48,9 @@ _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_f
 # and queries, a sliding and a full layer with their own RoPE: the device runs the window's 64 positions), gemma2
 # (gemma3's layers without q/k norms, one RoPE, soft caps small enough to change every logit:
 # test_forward_models_host checks that each does), granite (Granite 3's multipliers: embeddings x 12, the query
-# scale 1/64, the residual adds x 0.22, the logits / 8). Every K is a multiple of 256 otherwise.
+# scale 1/64, the residual adds x 0.22, the logits / 8), gpt_oss (sinks, biases on q/k/v, o, the router and 8
+# experts, YaRN, a window of 16 on every other layer, its SwiGLU clamped at 1.5 so that gate and up cross the
+# clamp). Every K is a multiple of 256 otherwise.
 SMALL_CONFIGS: dict[str, ModelConfig] = {
     "llama": ModelConfig(arch="llama", vocab_size=509, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=8, num_kv_heads=2, head_dim=32, max_position=4096, tie_word_embeddings=True,
@@ -70,6 +75,12 @@ SMALL_CONFIGS: dict[str, ModelConfig] = {
     "granite": ModelConfig(arch="granite", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
                            num_heads=4, num_kv_heads=2, head_dim=64, max_position=4096, rope_theta=10000.0,
                            embed_scale=12.0, query_scale=0.015625, residual_scale=0.22, logits_scaling=8.0),
+    "gpt_oss": ModelConfig(arch="gpt_oss", vocab_size=512, hidden_size=256, intermediate_size=256, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=64, max_position=4096, rope_theta=150000.0,
+                           rope_scaling=_YARN, sliding_window=16, layer_types=("sliding", "full"), qkv_bias=True,
+                           o_bias=True, attn_sinks=True, num_experts=8, experts_per_token=2,
+                           expert_intermediate_size=256, norm_topk_prob=True, moe_bias=True,
+                           activation="swiglu_oai", swiglu_limit=1.5),
 }
 
 

@@ -69,12 +69,12 @@ def _assert_like_cpu(model, tokens, got: np.ndarray) -> None:  # type: ignore[no
     assert result.ok, str(result)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "granite", "tiny-gemma2",
-                                  "tiny-granite"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "granite", "gpt_oss", "tiny-gemma2",
+                                  "tiny-granite", "tiny-gpt-oss"])
 def test_every_batched_row_is_the_cpu_decoders_within_the_band(arch: str, make_fwd) -> None:  # type: ignore[no-untyped-def]
     """Prompts of different lengths prefilled together, then decoded together (the captured bucket graph):
     every row is the CPU decoder's for that sequence, within the jitter band (tiny-gemma2: soft caps over its
-    windows of 8)."""
+    windows of 8; gpt-oss: sinks in the pooled attention, its experts' biases after the grouped GEMMs)."""
     model = _model(arch)
     prompts = _prompts(model, (5, 37, 12))
     pages, fwd = Pages(), make_fwd()

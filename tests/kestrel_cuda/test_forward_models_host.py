@@ -1,7 +1,8 @@
 """The device forward's host side for the models beyond the Llama family, over the numpy mirrors of its kernels
 (as test_forward_host.py): Mistral's sliding window, Gemma 3 (post-norms, GeGLU, a head_dim of 256), Gemma 2's soft
-caps, Granite's multipliers, longrope and YaRN, and mixtures of experts (routing, expert groups, the residency
-window), each against the CPU decoder, and each done deliberately wrong leaving the band."""
+caps, Granite's multipliers, longrope and YaRN, mixtures of experts (routing, expert groups, the residency
+window) and gpt-oss (sinks, biases, its clamped SwiGLU), each against the CPU decoder, and each done deliberately
+wrong leaving the band."""
 
 from __future__ import annotations
 
@@ -197,7 +198,7 @@ def test_group_capacity_holds_every_grouping_and_the_mirror_pads_to_it(m: int, k
 
 def test_device_routing_chooses_the_cpu_decoders_experts() -> None:
     """moe_route's mirror against kestrel_core's route: the same experts (in increasing order) and weights,
-    with and without renormalising over the k, the shared gate's sigmoid last."""
+    with and without renormalising over the k, with a router bias (gpt-oss's), the shared gate's sigmoid last."""
     from kestrel_core.model.config import ModelConfig
     from kestrel_core.model.decoder import rmsnorm, route, shared_expert_scale
     from kestrel_core.model.weights import LayerWeights
@@ -208,14 +209,16 @@ def test_device_routing_chooses_the_cpu_decoders_experts() -> None:
     norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
     router = rng.standard_normal((e, d)).astype(np.float32)
     gate = rng.standard_normal((1, d)).astype(np.float32)
-    for norm_topk in (True, False):
+    bias = rng.standard_normal(e).astype(np.float32)  # gpt-oss's router bias, as large as the logits
+    for norm_topk, router_bias in ((True, None), (False, None), (True, bias)):
         sel, wts, xn = np.zeros((m, k), np.int32), np.zeros((m, k + 1), np.float32), np.zeros((m, d), np.float32)
-        NumpyOps().moe_route(h, norm, 1e-6, np.concatenate([router, gate]), e, k, norm_topk, xn, None, sel, wts)
+        NumpyOps().moe_route(h, norm, 1e-6, np.concatenate([router, gate]), e, k, norm_topk, xn, None, sel, wts,
+                             bias=router_bias)
         x = rmsnorm(h, norm, np.float32(1e-6))
         c = ModelConfig(arch="qwen3_moe", vocab_size=8, hidden_size=d, intermediate_size=8, num_layers=1, num_heads=1,
                         num_kv_heads=1, head_dim=4, num_experts=e, experts_per_token=k, expert_intermediate_size=4,
                         norm_topk_prob=norm_topk)
-        top, weights = route(x, LayerWeights(router=router), c)
+        top, weights = route(x, LayerWeights(router=router, router_bias=router_bias), c)
         order = np.argsort(top, axis=1)
         assert np.array_equal(sel, np.take_along_axis(top, order, axis=1))
         np.testing.assert_allclose(wts[:, :k], np.take_along_axis(weights, order, axis=1), rtol=1e-5)
@@ -247,24 +250,23 @@ def test_a_mixture_of_experts_decoded_with_the_wrong_experts_leaves_the_band() -
             super().gemv(lin, x, *args, experts=experts, **kw)
 
     class NextGroup(NumpyOps):
-        def experts_gemm(self, lin, x, pro, xoff, y, table, groups, blocks, rows):  # type: ignore[no-untyped-def]
+        def experts_gemm(self, lin, x, pro, xoff, y, table, groups, blocks, rows, **kw):  # type: ignore[no-untyped-def]
             shifted = groups.copy()
             shifted[:, 0] = (shifted[:, 0] + 1) % len(table)
-            super().experts_gemm(lin, x, pro, xoff, y, table, shifted, blocks, rows)
+            super().experts_gemm(lin, x, pro, xoff, y, table, shifted, blocks, rows, **kw)
 
     model = load_model(str(FIXTURES / "tiny-qwen3-moe"), "q8", cache="off").model
     for wrong in (NextExpert(), NextGroup()):
         assert_leaves_the_band(model, wrong, n_tokens=20, n_prefill=12)
 
 
-@pytest.mark.parametrize(("fixture", "why"), [("tiny-gpt-oss", "architecture 'gpt_oss'"),
-                                              ("tiny-olmo2", "architecture 'olmo2'"),
+@pytest.mark.parametrize(("fixture", "why"), [("tiny-olmo2", "architecture 'olmo2'"),
                                               ("tiny-exaone4.gguf", "architecture 'exaone4'"),
                                               ("tiny-cohere", "architecture 'cohere'"),
                                               ("tiny-cohere2.gguf", "architecture 'cohere2'")])
 def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None:
-    """gpt-oss (sinks, biases, its clamped SwiGLU), OLMo 2 (norms after the blocks) and Cohere's (LayerNorms,
-    parallel blocks, scaled logits) go through the GEMM hooks; the reason names the architecture."""
+    """OLMo 2 (norms after the blocks), EXAONE 4 and Cohere's (LayerNorms, parallel blocks, scaled logits) go
+    through the GEMM hooks; the reason names the architecture."""
     from kestrel_core.model.loader import load_model
 
     model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
@@ -275,7 +277,9 @@ def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None
                                               "a residual multiplier with post-norms"),
                                              ({"residual_scale": 0.5, "num_experts": 8, "experts_per_token": 2,
                                                "expert_intermediate_size": 64}, "a residual multiplier with"),
-                                             ({"o_bias": True}, "an output projection bias"),
+                                             ({"o_bias": True, "post_norms": True},
+                                              "an output projection bias with post-norms"),
+                                             ({"activation": "swiglu_oai"}, "the clamped SwiGLU outside routed"),
                                              ({"pre_norms": False, "post_norms": True}, "norms only after each block"),
                                              ({"norm_type": "layer"}, "LayerNorms"),
                                              ({"parallel_block": True}, "parallel"),
@@ -374,3 +378,75 @@ def test_gemma2_decode_attention_keeps_its_kernel_where_it_would_fold() -> None:
     assert result.ok, str(result)
     assert ops.attend_folds(fwd.projections.layer(model, 0).qkv[0], 1024)  # it would fold without the cap
     assert caps == [1.0] * model.config.num_layers * 2  # the prefill's and the captured decode step's
+
+
+# -- gpt-oss ----------------------------------------------------------------------------------------------------
+
+def test_gpt_oss_from_its_checkpoint_matches_the_cpu() -> None:
+    """tiny-gpt-oss as transformers wrote it (sinks, biases on q/k/v, o, the router and the experts, the clamped
+    SwiGLU crossing its clamp, a window of 8 on every other layer, YaRN): a prefill past the window (the grouped
+    expert GEMMs) and captured decode steps (the routed GEMVs) within the band; the pipelined greedy decode gives
+    the step-by-step tokens. (Its MXFP4 and GGUF twins load to the same layers; their weights put some token
+    sequences' activations within float rounding of a Q8 or float16 rounding boundary, which the device's sums,
+    in another order, cross: the golden ids' row 2 flips one code of layer 0's q|k|v input.)"""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(FIXTURES / "tiny-gpt-oss"), "q8", cache="off").model
+    assert unsupported_reason(model) is None
+    fwd = assert_in_the_band(model, 24, 13)
+    assert fwd.counters["graph_captures"] == 1 and fwd.counters["graph_replays"] == 11
+    prompt = random_tokens(model.config, 7)
+    expect, _ = stepwise_greedy(DeviceForward(ops=NumpyOps()), model, prompt, 6)
+    fwd = DeviceForward(ops=NumpyOps())
+    fwd.forward(model, 1, prompt, 0, False)
+    assert [expect[0]] + list(fwd.greedy(model, 1, expect[0], len(prompt), 6)) == expect
+
+
+class _NoSinks(NumpyOps):
+    def attention(self, *args, **kw):  # type: ignore[no-untyped-def]
+        return super().attention(*args, **{**kw, "sinks": None})
+
+
+class _NoOutputBias(NumpyOps):
+    def gemv(self, lin, x, pro, pw, eps, xoff, y, epi, bias, **kw):  # type: ignore[no-untyped-def]
+        super().gemv(lin, x, pro, pw, eps, xoff, y, epi, None if epi == plan.EPI_ADD else bias, **kw)
+
+
+class _NoRouterBias(NumpyOps):
+    def moe_route(self, *args, **kw):  # type: ignore[no-untyped-def]
+        super().moe_route(*args, **{**kw, "bias": None})
+
+
+class _NoExpertBiases(NumpyOps):
+    def gemv(self, lin, x, pro, pw, eps, xoff, y, epi, bias, experts=None, **kw):  # type: ignore[no-untyped-def]
+        super().gemv(lin, x, pro, pw, eps, xoff, y, epi, None if experts is not None else bias, experts=experts, **kw)
+
+    def expert_bias(self, y, groups, bias):  # type: ignore[no-untyped-def]
+        pass
+
+
+class _SiluForSwiglu(NumpyOps):
+    def gemv(self, lin, x, pro, *args, **kw):  # type: ignore[no-untyped-def]
+        super().gemv(lin, x, plan.PRO_SILU_MUL if pro == plan.PRO_SWIGLU_OAI else pro, *args, **kw)
+
+    def experts_gemm(self, lin, x, pro, *args, **kw):  # type: ignore[no-untyped-def]
+        super().experts_gemm(lin, x, plan.PRO_SILU_MUL if pro == plan.PRO_SWIGLU_OAI else pro, *args, **kw)
+
+
+class _Unclamped(NumpyOps):
+    def gemv(self, *args, swiglu=plan.NO_SWIGLU, **kw):  # type: ignore[no-untyped-def]
+        super().gemv(*args, swiglu=(np.inf, swiglu[1]), **kw)
+
+    def experts_gemm(self, *args, swiglu=plan.NO_SWIGLU, **kw):  # type: ignore[no-untyped-def]
+        super().experts_gemm(*args, swiglu=(np.inf, swiglu[1]), **kw)
+
+
+GPT_OSS_WRONG = [_NoSinks, _NoOutputBias, _NoRouterBias, _NoExpertBiases, _SiluForSwiglu, _Unclamped]
+
+
+@pytest.mark.parametrize("wrong", GPT_OSS_WRONG, ids=lambda c: c.__name__)
+def test_gpt_oss_done_wrong_on_the_device_leaves_the_band(wrong: type) -> None:
+    """Each of gpt-oss's pieces left out of the mirrors (the sinks, o's bias, the router's, the experts', the
+    clamped SwiGLU for plain SiLU or without its clamp), in the prefill and the decode steps: far outside the band
+    of the small config's logits (test_forward_host runs it right in every quant mode)."""
+    assert_leaves_the_band(synthetic_model(CONFIGS["gpt_oss"], "q8", seed=3), wrong())

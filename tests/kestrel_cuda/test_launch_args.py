@@ -22,6 +22,7 @@ from kestrel_cuda.plan import (
     PRO_PLAIN,
     PRO_POSTNORM,
     PRO_RMSNORM,
+    PRO_SWIGLU_OAI,
     AttendFold,
     Lin,
     PostNorm,
@@ -68,13 +69,14 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[tuple[str, tupl
         monkeypatch.setattr(module, "_ptr", lambda a: np.uint64(0 if a is None else 1 << 20))
     launches: list[tuple[str, tuple]] = []
     ops = ops_cupy.CupyOps.__new__(ops_cupy.CupyOps)
-    gemm = SimpleNamespace(q8=lambda *a, **k: None, norm_fold=lambda *a: False)
+    gemm = SimpleNamespace(q8=lambda *a, **k: None, grouped=lambda *a, **k: None, norm_fold=lambda *a: False)
     ops.__dict__.update(
         launch=lambda kernel, grid, block, args, smem=0, cluster=1, name="": launches.append((kernel, args)),
         zeros=lambda shape, dtype: _array(shape, dtype), _fn={k: k for k in ops_cupy.KERNELS},
         _gemv={v: "qgemv" for v in ops_cupy.GEMV_VARIANTS}, _attn_decode={4: "attn_decode", 8: "attn_decode"},
         _attn_rows={hd: "attn_rows" for hd in (16, 32, 64, 128, 256)},
-        _attn_rows_regs={hd: 128 for hd in (16, 32, 64, 128, 256)}, _quant={32: "quantize_rows", 256: "quantize_rows"},
+        _attn_rows_regs={hd: 128 for hd in (16, 32, 64, 128, 256)},
+        _quant={v: "quantize_rows" for v in ops_cupy.QUANT_VARIANTS},
         gemm=gemm, stream=None, on_launch=None, launches=0, pdl=False, cluster=True, merge_mode="counter",
         merge_tiles=0, _capturing=False, _captured=0, sm_count=132, sm_smem=233_472, sm_regs=65_536,
         _tiled_bufs={}, _outgrown=[], part=_array(1 << 20), counters=_array(1 << 12, np.int32),
@@ -114,6 +116,14 @@ def test_every_forward_launch_passes_its_kernels_parameters(recorded) -> None:  
     ops.gemv(o, h1, PRO_PLAIN, None, 1e-6, 0, h1, EPI_STORE, h1, route=route)
     ops.gemv(_lin(d, d), h1, PRO_GELU_MUL, None, 1e-6, 0, h8[:2], EPI_STORE, None,
              experts=(_array((256, 2), np.uint64), _array(2, np.int32), 2))
+    table, swiglu = _array((256, 2), np.uint64), (7.0, 1.702)
+    ops.gemv(_lin(d, d), h8[:2], PRO_SWIGLU_OAI, None, 1e-6, d, h8[:2], EPI_STORE, _array((8, d)),
+             experts=(table, _array(2, np.int32), 2), swiglu=swiglu)  # gpt-oss's routed down: biases, its SwiGLU
+    ops.gemv(_lin(d, d), h8, PRO_SWIGLU_OAI, None, 1e-6, d, h8, EPI_ADD, None, swiglu=swiglu)  # quantize_rows
+    groups = _array((24, 3), np.int32)
+    ops.experts_gemm(_lin(d, d), _array((16, 2 * d)), PRO_SWIGLU_OAI, d, _array((16, d)), table, groups, 24, 16,
+                     swiglu=swiglu)
+    ops.expert_bias(_array((16, d)), groups, _array((8, d)))
     ops.gemv(_lin(d, d), h8, PRO_PLAIN, None, 1e-6, 0, h8, EPI_ADD, None, add_scale=0.22)  # tiled: add_rows
     ops.gemv(_lin(d, d), h8, PRO_RMSNORM, _array(d), 1e-6, 0, h8, EPI_STORE, _array(d))
     for m, at in ((1, {}), (8, {}), (8, {"rows": rows, "tables": tables})):
@@ -134,7 +144,7 @@ def test_every_forward_launch_passes_its_kernels_parameters(recorded) -> None:  
     seen = {name for name, _ in launches}
     assert {"qgemv", "add_rows", "quantize_rows", "attn_decode", "attn_prefill", "attn_rows", "finish_logits",
             "embed_rows", "norm_add_rows", "qkv_rope", "lm_finish", "argmax_rows", "moe_route", "moe_group",
-            "moe_combine"} <= seen, seen
+            "moe_combine", "moe_bias"} <= seen, seen
     for name, args in launches:
         kinds = [_KINDS.get(type(a), repr(type(a))) for a in args]
         assert kinds == kernel_params(name), name
