@@ -1,9 +1,10 @@
-"""Gemma 2 and 3, Granite and the mixtures of experts on the GPU: gpt-oss, GLM-4.5 and ERNIE 4.5 MoE (routers with
-a choice bias, dense layers among the experts), the hybrids (Qwen3.5, Qwen3-Next: linear attention, and fused groups
-of four), multi-head latent attention (DeepSeek-V2/V3) and Cohere's decoders (LayerNorms, parallel blocks) through
-the GEMM hooks, their steps not offered to the device forward (``kestrel_forward_supports``); Gemma 2 (soft caps),
-Gemma 3, Granite (its multipliers) and the other mixtures of experts through the device forward. Every projection
-(each expert's too) is preloaded and the logits are the CPU's within the measured tolerance.
+"""Gemma 2 and 3, Granite and the mixtures of experts on the GPU: GLM-4.5 and ERNIE 4.5 MoE (routers with a choice
+bias, dense layers among the experts), the hybrids (Qwen3.5, Qwen3-Next: linear attention, and fused groups of four),
+multi-head latent attention (DeepSeek-V2/V3) and Cohere's decoders (LayerNorms, parallel blocks) through the GEMM
+hooks, their steps not offered to the device forward (``kestrel_forward_supports``); Gemma 2 (soft caps), Gemma 3,
+Granite (its multipliers), gpt-oss (sinks, biases, its clamped SwiGLU) and the other mixtures of experts through the
+device forward. Every projection (each expert's too) is preloaded and the logits are the CPU's within the measured
+tolerance.
 
 Skipped where CuPy or a CUDA device is missing (CI); run on the H200 machine.
 """
@@ -23,7 +24,7 @@ from .forward_check import FIXTURES, compare, cpu_logits, cuda_device_count, jit
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")]
 
 
-@pytest.mark.parametrize(("fixture", "path"), [("tiny-gemma2", "forward"), ("tiny-gpt-oss", "hooks"),
+@pytest.mark.parametrize(("fixture", "path"), [("tiny-gemma2", "forward"), ("tiny-gpt-oss", "forward"),
                                               ("tiny-gemma3", "forward"), ("tiny-granite", "forward"),
                                               ("tiny-granite.gguf", "forward"),
                                               ("tiny-qwen3-moe", "forward"), ("tiny-qwen2-moe", "forward"),
