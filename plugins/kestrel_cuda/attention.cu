@@ -208,7 +208,8 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     // head gid's max and this lane's terms of its sum; with sinks, split 0's warp 0 starts from the sink (its logit
     // the max so far, its exp the sum, in lane tig 0; no value), so that the merges count it once
     const bool sinker = sinks && split == 0 && warp == 0;
-    float mx0 = sinker ? __ldg(sinks + head0 + (gid < heads ? gid : 0)) : NEG_INF, l0 = sinker && tig == 0 ? 1.f : 0.f;
+    float mx0 = sinker ? __ldg(sinks + head0 + (gid < heads ? gid : 0)) : NEG_INF;
+    float l0 = sinker && tig == 0 ? 1.f : 0.f;
     // The first pages in flight, one copy group each. Those whose every position an earlier step wrote are
     // copied before the wait for the kernels before this one (PDL: qkv_rope writes this step's positions, and
     // the query). A sequence's rows of a pass are consecutive, at consecutive positions, so this pass writes

@@ -269,6 +269,6 @@ extern "C" __global__ void __launch_bounds__(NT) moe_bias(
     const int n = blockIdx.x * NT + threadIdx.x, count = __ldcg(g + 2);
     if (count == 0 || n >= N) return;
     const float b = __ldg(bias + (size_t)__ldcg(g) * N + n);
-    float* y = Y + (size_t)g[1] * ldy + n;
+    float* y = Y + (size_t)__ldcg(g + 1) * ldy + n;
     for (int r = 0; r < count; ++r) y[(size_t)r * ldy] += b;
 }

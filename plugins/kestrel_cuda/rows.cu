@@ -24,8 +24,9 @@ extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, con
 
 // Prologue alone, for the tiled-GEMM path: A = prologue(X) quantized per G-block -> codes [M][K], scales
 // [M][K/G]; the prologues are qgemv's 0-3, and in the OAI instances 5 (glimit, galpha: gpt-oss's clamped SwiGLU;
-// the other instances, every other model's, keep their code). One block per (row, chunk of NT * QUANT_LOADS elements); a thread takes elements tid + i NT of its
-// chunk, so warp w holds group 8 i + w of it whole (G = 32; G = 256: the 8 warps' of pass i). The RMSNorm's sum
+// the other instances, every other model's, have none of its code). One block per (row, chunk of NT *
+// QUANT_LOADS elements); a thread takes elements tid + i NT of its chunk, so warp w holds group 8 i + w of it
+// whole (G = 32; G = 256: the 8 warps' of pass i). The RMSNorm's sum
 // of squares is thread_ssq's; a row of up to NT * ROW_LOADS takes one round trip of loads, the block's values
 // being among thread_ssq's. Four values a thread measured best at 64 rows (docs/performance.md).
 #define QUANT_LOADS 4
