@@ -527,10 +527,7 @@ def route(x: np.ndarray, lw: LayerWeights, c: ModelConfig) -> tuple[np.ndarray, 
     router_topk_groups groups whose two best choice scores sum highest. The weights are the chosen scores,
     renormalised over the k if norm_topk_prob (for a softmax, the softmax of the k logits, as gpt-oss computes
     it), times routed_scaling. Ties: the lower expert."""
-    logits = np.empty((len(x), len(lw.router)), np.float32)  # [M, E]
-    kernels.rows_dot(np.ascontiguousarray(x), lw.router, logits)
-    if lw.router_bias is not None:
-        logits += lw.router_bias
+    logits = router_logits(x, lw)  # [M, E]
     if c.router_scoring == "sigmoid":
         scores = sigmoid(logits)
     else:
@@ -551,6 +548,15 @@ def route(x: np.ndarray, lw: LayerWeights, c: ModelConfig) -> tuple[np.ndarray, 
     if c.routed_scaling != 1.0:
         weights *= np.float32(c.routed_scaling)
     return top, weights
+
+
+def router_logits(x: np.ndarray, lw: LayerWeights) -> np.ndarray:
+    """Layer ``lw``'s router logits [M, E] of x [M, D], gpt-oss's router bias added."""
+    logits = np.empty((len(x), len(lw.router)), np.float32)
+    kernels.rows_dot(np.ascontiguousarray(x), lw.router, logits)
+    if lw.router_bias is not None:
+        logits += lw.router_bias
+    return logits
 
 
 def shared_expert_scale(x: np.ndarray, gate: np.ndarray) -> np.ndarray:

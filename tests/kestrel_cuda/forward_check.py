@@ -10,7 +10,9 @@ CPU decoder is run a second time with every linear's input and output nudged by 
 (``selftest.JITTER``; the outputs' nudge reaches the float16 rounding of the keys and values, as the device's
 summation order does), and the device may differ from the CPU by ``FACTOR`` times what that nudge alone
 changes. A wrong kernel (a bad index, a missing bias, a wrong scale) moves logits by O(1) of their spread, far
-above that band.
+above that band. A mixture of experts adds one discrete case: a row whose router ranks two experts within
+what the nudge moves its logits may take either on the device, and its logits then differ by O(1); such rows
+(``routing_ties``) are left out of the comparison, at most a quarter of them.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 
 from kestrel_core.dispatch import Offload
+from kestrel_core.model import decoder
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.decoder import Decoder
 from kestrel_core.model.weights import Model
@@ -213,6 +217,37 @@ def jitter_effect(model: Model, tokens: np.ndarray, n_prefill: int, ref: np.ndar
     return rel, mx
 
 
+def routing_ties(model: Model, tokens: np.ndarray, n_prefill: int) -> np.ndarray | None:
+    """Rows [T] where some layer's router ranks its k-th and (k+1)-th experts within FACTOR times what the nudge
+    changes that row's router logits (the larger over JITTER_SEEDS). A device whose sums round otherwise may choose
+    either expert there, and the row's logits then move by O(1) of their spread: a tie, not a wrong kernel. None
+    for a dense model."""
+    if not model.config.num_experts:
+        return None
+    ref = router_logits_of(model, tokens, n_prefill, None)  # [L, T, E]
+    change = np.max([np.abs(router_logits_of(model, tokens, n_prefill, seed) - ref).max(axis=2)
+                     for seed in JITTER_SEEDS], axis=0)  # [L, T]
+    k = model.config.experts_per_token
+    ranked = -np.sort(-ref, axis=2)
+    return (ranked[..., k - 1] - ranked[..., k] < FACTOR * change).any(axis=0)
+
+
+def router_logits_of(model: Model, tokens: np.ndarray, n_prefill: int, jitter_seed: int | None) -> np.ndarray:
+    """Every routed layer's router logits [L, T, E] in ``cpu_logits``' run."""
+    calls: list[np.ndarray] = []
+    real = decoder.router_logits
+
+    def record(x: np.ndarray, lw: Any) -> np.ndarray:
+        calls.append(real(x, lw))
+        return calls[-1]
+
+    with patch.object(decoder, "router_logits", record):
+        cpu_logits(model, tokens, n_prefill, jitter_seed)
+    layers = len(calls) // (1 + len(tokens) - n_prefill)  # the prefill's calls, then each step's
+    runs = [calls[i:i + layers] for i in range(0, len(calls), layers)]
+    return np.stack([np.concatenate(layer) for layer in zip(*runs)])
+
+
 @dataclass
 class Comparison:
     rel_err: float  # ||device - cpu|| / ||cpu|| over all logits
@@ -222,6 +257,7 @@ class Comparison:
     gap_tol: float  # FACTOR x the nudge's largest logit change: ties within it may go either way
     argmax_same: int  # rows whose argmax is the CPU's
     argmax_mismatch: int  # rows whose argmax the CPU scores more than gap_tol below its own
+    tied: int = 0  # rows left out: a routing tie (routing_ties)
 
     @property
     def ok(self) -> bool:
@@ -230,10 +266,16 @@ class Comparison:
     def __str__(self) -> str:
         return (f"rel L2 err {self.rel_err:.3g} (tol {self.tol:.3g} = max({FACTOR:g} x jitter effect "
                 f"{self.jitter_rel:.3g}, {FLOOR:g})), max abs err {self.max_err:.3g}, argmax same in "
-                f"{self.argmax_same} rows, {self.argmax_mismatch} worse than a tie within {self.gap_tol:.3g}")
+                f"{self.argmax_same} rows, {self.argmax_mismatch} worse than a tie within {self.gap_tol:.3g}"
+                f"{f', {self.tied} rows of routing ties left out' if self.tied else ''}")
 
 
-def compare(got: np.ndarray, ref: np.ndarray, jitter: tuple[float, float]) -> Comparison:
+def compare(got: np.ndarray, ref: np.ndarray, jitter: tuple[float, float],
+            ties: np.ndarray | None = None) -> Comparison:
+    """The device's logits ``got`` [T, V] against the CPU's ``ref``, over the rows not in ``ties`` [T]."""
+    tied = 0 if ties is None else int(ties.sum())
+    if tied:
+        got, ref = got[~ties], ref[~ties]
     jitter_rel, jitter_max = jitter
     tol = max(FACTOR * jitter_rel, FLOOR)
     gap_tol = FACTOR * jitter_max
@@ -242,7 +284,7 @@ def compare(got: np.ndarray, ref: np.ndarray, jitter: tuple[float, float]) -> Co
     same = int((pick == ref.argmax(1)).sum())
     rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
     return Comparison(rel, tol, jitter_rel, float(np.abs(got - ref).max()), gap_tol, same,
-                      int((loss > gap_tol).sum()))
+                      int((loss > gap_tol).sum()), tied)
 
 
 def greedy_agrees(device_tokens: list[int], model: Model, prompt: np.ndarray, tol: float) -> list[int]:
@@ -311,10 +353,13 @@ def assert_leaves_the_band(model, ops, n_tokens: int = 40, n_prefill: int = 24) 
 
 
 def _check(model, toks, n_prefill, got):  # type: ignore[no-untyped-def]
-    """The device's logits ``got`` within the CPU's band, their argmax the CPU's at 90% of the positions."""
+    """The device's logits ``got`` within the CPU's band, their argmax the CPU's at 90% of the positions, rows of
+    routing ties left out (at most a quarter of them)."""
     ref = cpu_logits(model, toks, n_prefill)
-    result = compare(got, ref, jitter_effect(model, toks, n_prefill, ref))
+    ties = routing_ties(model, toks, n_prefill)
+    result = compare(got, ref, jitter_effect(model, toks, n_prefill, ref), ties)
     print(f"{model.config.arch}: {result}")
     assert result.ok, str(result)
-    assert result.argmax_same >= 0.9 * len(toks), str(result)
+    assert result.tied <= len(toks) // 4, str(result)
+    assert result.argmax_same >= 0.9 * (len(toks) - result.tied), str(result)
     return result

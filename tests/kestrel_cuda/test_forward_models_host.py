@@ -7,10 +7,12 @@ wrong leaving the band."""
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 
+from kestrel_core.model import decoder
 from kestrel_core.model.presets import synthetic_model
 from kestrel_cuda import plan
 from kestrel_cuda.allocator import NumpyAllocator
@@ -30,6 +32,8 @@ from .forward_check import (
     device_logits,
     jitter_effect,
     random_tokens,
+    router_logits_of,
+    routing_ties,
     stepwise_greedy,
 )
 
@@ -450,3 +454,47 @@ def test_gpt_oss_done_wrong_on_the_device_leaves_the_band(wrong: type) -> None:
     clamped SwiGLU for plain SiLU or without its clamp), in the prefill and the decode steps: far outside the band
     of the small config's logits (test_forward_host runs it right in every quant mode)."""
     assert_leaves_the_band(synthetic_model(CONFIGS["gpt_oss"], "q8", seed=3), wrong())
+
+
+def _logits_routed_otherwise(model, toks, n_prefill, layer, row):  # type: ignore[no-untyped-def]
+    """The CPU's logits with layer ``layer``'s router taking its (k+1)-th expert for its k-th at row ``row``."""
+    k, calls = model.config.experts_per_token, []
+    real = decoder.router_logits
+    layers = model.config.num_layers  # every layer of the config routes
+
+    def swapped(x, lw):  # type: ignore[no-untyped-def]
+        out, call = real(x, lw), len(calls)
+        calls.append(None)
+        at = layer if row < n_prefill else (1 + row - n_prefill) * layers + layer
+        if call == at:
+            r = row if row < n_prefill else 0
+            first, second = np.argsort(-out[r], kind="stable")[k - 1:k + 1]
+            out[r, [first, second]] = out[r, [second, first]]
+        return out
+
+    with patch.object(decoder, "router_logits", swapped):
+        return cpu_logits(model, toks, n_prefill)
+
+
+def test_a_routing_tie_may_go_either_way_and_only_a_tie() -> None:
+    """A row whose router ranks two experts within the nudge's reach (routing_ties) may take either: the other
+    choice there moves that row's logits far outside the band, and the comparison leaves the row out. The same
+    swap at a row the nudge cannot reorder stays a failure."""
+    model = synthetic_model(CONFIGS["gpt_oss"], "q8", seed=3)
+    assert not model.config.dense_layers
+    toks = random_tokens(model.config, 40)
+    ref = cpu_logits(model, toks, 24)
+    jitter = jitter_effect(model, toks, 24, ref)
+    ties = routing_ties(model, toks, 24)
+    assert ties is not None and 0 < ties.sum() <= len(toks) // 4
+    k = model.config.experts_per_token
+    ranked = -np.sort(-router_logits_of(model, toks, 24, None), axis=2)
+    gaps = ranked[..., k - 1] - ranked[..., k]  # [L, T]
+    tied_layer, tied_row = np.unravel_index(np.argmin(np.where(ties, gaps, np.inf)), gaps.shape)
+    wide_layer, wide_row = np.unravel_index(np.argmax(gaps), gaps.shape)
+    assert not ties[wide_row]
+    tie_taken = _logits_routed_otherwise(model, toks, 24, tied_layer, tied_row)
+    assert not compare(tie_taken, ref, jitter).ok
+    assert compare(tie_taken, ref, jitter, ties).ok
+    other_taken = _logits_routed_otherwise(model, toks, 24, wide_layer, wide_row)
+    assert not compare(other_taken, ref, jitter, ties).ok
