@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.dispatch import all_finite
-from kestrel_core.errors import InvalidRequest, KestrelError, NonFiniteLogits, Overloaded, invalid_request
+from kestrel_core.errors import InvalidRequest, KestrelError, NonFiniteLogits, Overloaded, invalid_request, safe_repr
 from kestrel_core.model.config import POOLINGS
 from kestrel_core.model.driver import Driver, driving
 from kestrel_core.model.validate import is_int
@@ -60,9 +60,10 @@ class EmbedJob:
         if isinstance(inputs, (str, bytes)) or not isinstance(inputs, (Sequence, np.ndarray)) or len(inputs) == 0:
             raise InvalidRequest("no input to embed: give a sequence of token id sequences", param="input")
         self.inputs = [check_input(engine, ids) for ids in inputs]
-        self.pooling = pooling or c.pooling or "last"
-        if self.pooling not in POOLINGS:
-            raise InvalidRequest(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}", param="pooling")
+        if pooling is not None and not (isinstance(pooling, str) and pooling in POOLINGS):  # only None is the model's
+            raise InvalidRequest(f"pooling must be one of {', '.join(POOLINGS)} or None (the model's), got "
+                                 f"{safe_repr(pooling)}", param="pooling")
+        self.pooling = pooling if pooling is not None else c.pooling or "last"
         if dimensions is not None and (not is_int(dimensions) or not 1 <= dimensions <= c.hidden_size):
             raise InvalidRequest(f"dimensions must be in [1, {c.hidden_size}], got {dimensions!r}", param="dimensions")
         if budget < 1:

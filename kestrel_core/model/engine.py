@@ -23,7 +23,7 @@ import numpy as np
 
 from kestrel_core.batch import BatchEntry
 from kestrel_core.dispatch import Offload, all_finite
-from kestrel_core.errors import ContextExceeded, InvalidRequest, KestrelError, NonFiniteLogits, Overloaded
+from kestrel_core.errors import ContextExceeded, InvalidRequest, KestrelError, NonFiniteLogits, Overloaded, safe_repr
 from kestrel_core.model.config import SAMPLING_FIELDS
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
 from kestrel_core.model.driver import Driver, driving
@@ -251,8 +251,14 @@ class Engine:
     def rewind(self, seq: SeqState, length: int) -> None:
         """Forget a sequence's positions from ``length`` on (draft tokens the model did not confirm), where
         ``rewinds``: the backend that runs the steps computes them again from its next entry's start."""
+        if not is_int(length) or not 0 <= length <= len(seq.tokens):
+            raise KestrelError(f"a rewind's length must be an integer in [0, {len(seq.tokens)}] (the sequence's "
+                               f"positions), got {safe_repr(length)}")
+        if length < len(seq.tokens) and not self.rewinds:  # its device or recurrent state would keep them
+            raise KestrelError("this engine's sequences cannot rewind (Engine.rewinds): a model with recurrent "
+                               "layers, or a backend that runs the steps without recomputing positions (API < 1.6)")
+        seq.cache.truncate(length)  # first: it refuses a cut into a shared prefix, the tokens left as they are
         del seq.tokens[length:]
-        seq.cache.truncate(length)
         seq.device_len = min(seq.device_len, length)
 
     @driving
@@ -299,6 +305,9 @@ class Engine:
         c = self.config
         ahead = after.ends() if after is not None else {}
         runs, fed, bases = [], [], []  # fed: whether each run's token is the device's
+        flags = list(argmax_only) or [False] * len(work)
+        if len(flags) != len(work):
+            raise KestrelError(f"argmax_only has {len(flags)} flags for {len(work)} sequences")
         for seq, new, rows in work:
             end_before, added, feedable = ahead.get(seq.seq_id, (seq.device_len, 0, False))
             fed.append(new is None)
@@ -307,19 +316,18 @@ class Engine:
                     raise KestrelError("a fed row needs its sequence's argmax in the step before")
                 new = np.array([FED], np.int64)
             else:
-                new = np.asarray(new, dtype=np.int64).reshape(-1)
+                new = step_tokens(new, c.vocab_size)
             base = len(seq.tokens) + added  # positions before this step's
             end = base + len(new)
             if end > c.max_position:
                 raise KestrelError(f"the sequence needs {end} positions; the model's context is {c.max_position}")
-            if not 0 <= rows <= len(new):
-                raise KestrelError(f"logit rows {rows} outside [0, {len(new)}]")
+            if not is_int(rows) or not 0 <= rows <= len(new):
+                raise KestrelError(f"logit rows {safe_repr(rows)} outside [0, {len(new)}]")
             runs.append((seq, new, rows))
             bases.append((base, end_before if seq.seq_id in ahead else seq.device_len))
         pool = self.pool
         for (seq, new, _), (base, _) in zip(runs, bases):  # the scheduler reserved already; a direct caller here
             pool.reserve(seq.cache, base + len(new))
-        flags = list(argmax_only) or [False] * len(runs)
         on_device, bs = self.prefix_cache and self.device_prefixes, pool.block_size
         entries = [BatchEntry(seq.seq_id, new.copy() if start == base else _behind(seq.tokens, start, new), start,
                               rows, tuple(seq.cache.blocks), bs, pool.num_blocks, flag, is_fed, seq.shared,
@@ -540,6 +548,18 @@ class Engine:
             "prefix_cache": self.prefix_cache, "prefix_hit_tokens": self.pool.prefix_hit_tokens,
             "prefix_cached_blocks": self.pool.cached_blocks, "prefix_cached_states": self.pool.cached_states,
         }
+
+
+def step_tokens(new: Any, vocab: int) -> np.ndarray:
+    """A step's new tokens as int64 [T]: token ids (``is_token_ids``; a float would be cut to an integer, a bool
+    taken for 0 or 1) in the vocabulary, which a backend's whole step is not asked to check."""
+    if not is_token_ids(new):
+        raise KestrelError(f"a step's new tokens must be a sequence of token ids (integers), got {safe_repr(new)}")
+    ids = np.asarray(new, dtype=np.int64).reshape(-1)
+    outside = ids[(ids < 0) | (ids >= vocab)]
+    if len(outside):
+        raise KestrelError(f"token id {int(outside[0])} is outside the vocabulary [0, {vocab})")
+    return ids
 
 
 def _behind(tokens: list[int], start: int, new: np.ndarray) -> np.ndarray:

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import normalize_rope_scaling
 from kestrel_core.model.engine import Engine
+from kestrel_core.model.quantize import parse_quant
 from kestrel_core.model.rerank import as_reranker
-from kestrel_core.model.validate import ValidationError, is_int
+from kestrel_core.model.validate import ValidationError, check_bool, is_int
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Registry
 
@@ -122,6 +123,9 @@ def load(model: str | Model | None = None, backend: str = "auto", quant: str | N
     one's scale times ``lora_scale`` (one for all, or a list of one each; kestrel_core.model.lora); ``rerank``: a
     Qwen3-Reranker checkpoint made the reranker it is (kestrel_core.model.rerank; a GGUF converted from one is one
     without it)."""
+    if quant is not None:  # for a model in memory too, which ignores it, as an artifact does
+        parse_quant(quant)
+    check_bool("rerank", rerank)  # "no" would be taken for True
     if lora is not None:
         from kestrel_core.model.lora import lora_paths
 
@@ -134,7 +138,7 @@ def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed
                 kv_cache_mb: float | None = None, activations: str = "auto", max_model_len: int | None = None,
                 rope_scaling: dict[str, Any] | None = None, kv_cache_type: str = "f16", **overrides: Any) -> Engine:
     """An engine for a synthetic preset model (random weights of real shapes, byte tokenizer)."""
-    quant = quant or "q8"
+    quant = "q8" if quant is None else quant
     from kestrel_core.model.presets import ByteTokenizer, preset_model
 
     def resolve() -> tuple[Model, Any, str]:

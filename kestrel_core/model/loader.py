@@ -374,7 +374,7 @@ def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "
     merged into the weights before they are quantized, each one's delta added in order, its scale times
     ``lora_scale`` (one for all of them, or a list: one each; kestrel_core.model.lora); the merge is cached in a
     slot of its own."""
-    mode = parse_quant(quant or "q8").name  # an unknown mode fails before any heavy work
+    mode = parse_quant("q8" if quant is None else quant).name  # an unknown mode fails before any heavy work
     if cache not in CACHE_MODES:
         raise KestrelError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
     adapters = () if lora is None else read_adapters(lora, lora_scale)

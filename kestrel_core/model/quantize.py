@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kestrel_core.contract import BFloat16Bits, StripCache, WeightInput, quantize_weight
-from kestrel_core.errors import ContractError, KestrelError
+from kestrel_core.errors import ContractError, KestrelError, safe_repr
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.int_quant import IntWeight
 from kestrel_core.model.rope import ROTARY_FIELDS, rotary_first, rotary_rows
@@ -102,7 +102,10 @@ class QuantMode:
 
 
 def parse_quant(name: str) -> QuantMode:
-    key = str(name).strip().lower()
+    """The quant mode named ``name`` (any case): a string, never a number (``5`` names no mode)."""
+    if not isinstance(name, str):
+        raise KestrelError(f"quant must be the name of a quant mode ({', '.join(QUANT_MODES)}), got {safe_repr(name)}")
+    key = name.strip().lower()
     if key not in QUANT_MODES:
         raise KestrelError(f"unknown quant mode {name!r}: valid modes are {', '.join(QUANT_MODES)}")
     return QuantMode(key, *QUANT_MODES[key])

@@ -145,6 +145,9 @@ def test_bad_inputs_are_invalid_requests(engine) -> None:
              ([[1, 2]], {"dimensions": 4.0}, "dimensions"), ([[1, 2]], {"dimensions": "4"}, "got '4'"),
              # an iterator of inputs, or of ids, would be used up by the checks: a sequence is asked for
              ((ids for ids in [[1, 2]]), {}, "no input"), ([iter([1, 2])], {}, "sequence of token ids")]
+    # only None is the model's pooling: a falsy value was taken for it, a list holding a mode's name is none
+    cases += [([[1, 2]], {"pooling": pooling}, r"pooling must be one of last, mean, cls or None \(the model's\)")
+              for pooling in ([], "", 0, False, (), ["last"], np.array(["last"]), b"last")]
     for inputs, options, match in cases:
         with pytest.raises(InvalidRequest, match=match):
             engine.embed(inputs, **options)

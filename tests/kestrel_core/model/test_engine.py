@@ -381,3 +381,79 @@ def test_a_model_path_may_be_a_path_object() -> None:
         assert list(by_path.generate([1, 2, 3], max_tokens=4)) == list(by_text.generate([1, 2, 3], max_tokens=4))
     with pytest.raises(KestrelError, match="cannot load a model from bytes"):
         kestrel_core.load(bytes(tiny), backend="cpu")
+
+
+def test_a_steps_tokens_are_token_ids_in_the_vocabulary(model, tmp_path, monkeypatch) -> None:
+    """``run_batch`` cut a float to an integer ([1.5] ran token 1), took a bool for 0 or 1, and failed on text with
+    int()'s ValueError; an id past the vocabulary, or logit rows of the wrong type, or fewer argmax_only flags than
+    sequences (zip left the rest out), reached the step. Each is a KestrelError before anything runs."""
+    with kestrel_core.load(model, backend="cpu", activations="q8") as engine:  # logits' prompt: no float32 rows
+        want = engine.logits(PROMPT[:3])[-1]
+        for ids in ([1.5], [1.0, 2.0], np.array([1.0]), "ab", b"ab", [True], [PROMPT[0], False], [[1, 2]],
+                    np.array([[1, 2]]), {1: 2}):
+            seq = engine.new_sequence()
+            with pytest.raises(KestrelError, match="a step's new tokens must be a sequence of token ids"):
+                engine.run_batch([(seq, ids, 1)])
+            assert seq.tokens == [] and seq.cache.length == 0
+        for ids in ([-1], [model.config.vocab_size], np.array([2**40])):
+            with pytest.raises(KestrelError, match=r"is outside the vocabulary \[0, 320\)"):
+                engine.run_batch([(engine.new_sequence(), ids, 1)])
+        for rows in (1.5, True, "1", -1, 4):
+            with pytest.raises(KestrelError, match=r"logit rows .* outside \[0, 3\]"):
+                engine.run_batch([(engine.new_sequence(), PROMPT[:3], rows)])
+        with pytest.raises(KestrelError, match="argmax_only has 1 flags for 2 sequences"):
+            engine.run_batch([(engine.new_sequence(), PROMPT[:3], 1), (engine.new_sequence(), PROMPT[:3], 1)], [False])
+        for ids in (PROMPT[:3], tuple(PROMPT[:3]), np.array(PROMPT[:3], np.int32), [np.int64(t) for t in PROMPT[:3]],
+                    np.array(PROMPT[:3], np.uint16)):  # numpy's integers are token ids
+            np.testing.assert_array_equal(engine.run_batch([(engine.new_sequence(), ids, 1)])[0][-1], want)
+    _forward_backend(tmp_path, monkeypatch)  # a device's whole step is never offered an id past the vocabulary
+    with kestrel_core.load(model, backend="fwd", activations="q8") as engine:
+        with pytest.raises(KestrelError, match="is outside the vocabulary"):
+            engine.run_batch([(engine.new_sequence(), [model.config.vocab_size], 1)])
+        assert engine.backend.plugin.CALLS == []
+
+
+def test_a_rewind_is_to_a_length_the_sequence_has(model, tmp_path, monkeypatch) -> None:
+    """``rewind(seq, -1)`` dropped the last token, then said that positions below 0 were a shared prefix; a float
+    was a TypeError from a slice. A rewind where sequences cannot rewind left the device's positions behind."""
+    with kestrel_core.load(model, backend="cpu", activations="q8") as engine:
+        seq = engine.new_sequence()
+        engine.run_batch([(seq, PROMPT[:4], 1)])
+        for length in (-1, 5, 1.5, "2", True, None):
+            with pytest.raises(KestrelError, match=r"a rewind's length must be an integer in \[0, 4\] \(the "):
+                engine.rewind(seq, length)
+            assert seq.tokens == PROMPT[:4] and seq.cache.length == 4
+        engine.rewind(seq, 4)  # nothing to forget
+        engine.rewind(seq, np.int64(2))
+        again = engine.run_batch([(seq, [PROMPT[5]], 1)])[0][-1]
+        np.testing.assert_allclose(again, engine.logits(PROMPT[:2] + [PROMPT[5]])[-1], atol=1e-4)
+    _forward_backend(tmp_path, monkeypatch)  # a 1.0 whole step: its device keeps every position it ran
+    with kestrel_core.load(model, backend="fwd", activations="q8") as engine:
+        assert not engine.rewinds
+        seq = engine.new_sequence()
+        engine.run_batch([(seq, PROMPT[:4], 1)])
+        with pytest.raises(KestrelError, match=r"cannot rewind \(Engine.rewinds\)"):
+            engine.rewind(seq, 2)
+        assert seq.tokens == PROMPT[:4] and seq.device_len == 4
+        engine.rewind(seq, 4)
+
+
+def test_quant_is_checked_for_every_kind_of_model(model) -> None:
+    """A Model in memory ignored any quant (5, [] or "q9"); a path took a falsy one (0, "") for the default."""
+    tiny = str(Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-llama")
+    for source in (model, tiny, "Qwen/Qwen3-0.6B"):  # a Hub name fails before anything is fetched
+        for quant in (5, 0, [], b"q8", 8.0):
+            with pytest.raises(KestrelError, match=r"quant must be the name of a quant mode \(q8, q4, "):
+                kestrel_core.load(source, backend="cpu", quant=quant)
+        for quant in ("", "q9"):
+            with pytest.raises(KestrelError, match=r"unknown quant mode '(q9)?': valid modes are q8, q4"):
+                kestrel_core.load(source, backend="cpu", quant=quant)
+    with kestrel_core.load(model, backend="cpu", quant="Q8") as engine:  # a mode's name in any case
+        assert engine.model is model
+    from kestrel_core.model.engine_load import load_preset
+
+    for quant in (0, 5):
+        with pytest.raises(KestrelError, match="quant must be the name of a quant mode"):
+            load_preset("smollm2-135m", backend="cpu", quant=quant, num_layers=1)
+    with pytest.raises(KestrelError, match="rerank must be true or false, got 'no'"):
+        kestrel_core.load(model, backend="cpu", rerank="no")
