@@ -112,7 +112,7 @@ def load(model: str | Model | None = None, backend: str = "auto", quant: str | N
          kv_cache_type: str = "f16", rerank: bool = False) -> Engine:
     """An engine for ``model`` (a path, None for the default model, or a Model) on ``backend`` (``auto``:
     the best bound gpu/npu accelerator, else cpu); the model is preloaded onto the backend. ``quant``:
-    q8 (None: the default; an artifact keeps its own), q4, q8-g256 or q4-g256. ``kv_cache_mb``: the host KV
+    q8 (None: the default; an artifact or a Model keeps its own), q4, q8-g256 or q4-g256. ``kv_cache_mb``: the host KV
     cache's budget (default: 2 GiB, at least one sequence at the full context); ``kv_cache_type``: what it holds,
     f16 (float16 keys and values) or q8 (int8, a scale every 32 dims: about half the bytes). ``activations``: what the
     projections' inputs are, q8, f32, mixed (the prompt at f32, generated tokens at q8) or auto (see
@@ -123,7 +123,7 @@ def load(model: str | Model | None = None, backend: str = "auto", quant: str | N
     one's scale times ``lora_scale`` (one for all, or a list of one each; kestrel_core.model.lora); ``rerank``: a
     Qwen3-Reranker checkpoint made the reranker it is (kestrel_core.model.rerank; a GGUF converted from one is one
     without it)."""
-    if quant is not None:  # for a model in memory too, which ignores it, as an artifact does
+    if quant is not None:  # for every kind of model, a Model's too, which keeps its own
         parse_quant(quant)
     check_bool("rerank", rerank)  # "no" would be taken for True
     if lora is not None:
