@@ -27,7 +27,7 @@ import numpy as np
 from kestrel_core.errors import KestrelError, Overloaded, ShuttingDown
 from kestrel_core.model.driver import check_engine
 from kestrel_core.model.embed import EmbedJob
-from kestrel_core.model.grammar import Constraint, compiling
+from kestrel_core.model.grammar import CompiledGrammars, Constraint
 from kestrel_core.model.request import RequestOutput, check_added
 from kestrel_core.model.request_queue import FCFS
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
@@ -78,6 +78,8 @@ class AsyncEngine:
         self.scheduler = Scheduler(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting,
                                    policy=policy)
         self.counters = EngineCounters()
+        # looked up at each compile, not bound here: tests count the engine's compiles
+        self.grammars = CompiledGrammars(lambda grammar: self.engine.constraint(grammar))
         self._lock = threading.Lock()  # guards the inbox, the clients and the accepting flag
         self._wake = threading.Condition(self._lock)
         # ("add", (id, ids, params, constraint, priority)), ("abort", id), ("call", (fn, future))
@@ -169,10 +171,10 @@ class AsyncEngine:
         return self.scheduler.check(prompt_ids, params, priority)
 
     async def compile(self, grammar: str) -> Constraint:
-        """``grammar`` (SamplingParams.grammar) compiled for this model, on the grammars' threads
-        (grammar.compiling): compiling a client's grammar may take a while, and the steps' thread does not wait
-        for it. InvalidRequest for one that does not compile."""
-        return await compiling(lambda: self.engine.constraint(grammar))
+        """A place of its own at the start of ``grammar`` (SamplingParams.grammar) for this model, compiled on the
+        grammars' threads unless ``grammars`` keeps it (compiling a client's grammar may take a while, and the steps'
+        thread does not wait for it). InvalidRequest for one that does not compile."""
+        return await self.grammars.constraint(grammar)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | Scoring,
                        request_id: str | None = None, places: Places | None = None,

@@ -5,8 +5,9 @@ a JSON Schema accepts), ``lark_grammar`` or ``regex_grammar``. Its ``Constraint`
 model's ``grammar_vocab``) sets every token the grammar does not allow next to -inf before the sampler chooses,
 and consumes each token chosen; the end of text is allowed exactly where the grammar is complete. Grammars come
 from clients, so llguidance's default limits bound the work of each token's mask; a grammar that fails in
-generation (past a limit) ends its answer at once. llguidance is imported on first use. A grammar is compiled once
-a request (``compiling``, on threads of its own); each of its choices takes a ``Constraint.copy`` of it.
+generation (past a limit) ends its answer at once. llguidance is imported on first use. A grammar is compiled on
+threads of its own (``compiling``) and kept by its text (``CompiledGrammars``, an engine's last 64): each request's
+choices, this request's and later ones', take a ``Constraint.copy`` of it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import asyncio
 import contextvars
 import copy
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -99,6 +103,75 @@ async def compiling(work: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(_COMPILES, contextvars.copy_context().run, work)
 
 
+# compiled grammars an engine keeps: llguidance says nothing of a compiled grammar's size, so they are counted;
+# clients send the same few schemas with every request
+GRAMMAR_CACHE_ENTRIES = 64
+
+
+@dataclass
+class _Compiling:
+    future: Future[Constraint]  # on the grammars' threads
+    waiting: int = 0  # requests awaiting it
+
+
+class CompiledGrammars:
+    """Grammars compiled by ``compile`` (``Engine.constraint``), kept by their text, the ``entries`` last used.
+    Requests for a grammar being compiled share that compile; one whose every request has left before its turn is
+    never compiled; one that fails is not kept (the next request compiles it again). The compiled original is never
+    advanced: each request takes a copy."""
+
+    def __init__(self, compile: Callable[[str], Constraint], entries: int = GRAMMAR_CACHE_ENTRIES) -> None:
+        self._compile = compile
+        self._entries = entries
+        self._lock = threading.RLock()  # reentrant: a cancelled future runs its callback where it is cancelled
+        self._kept: OrderedDict[str, _Compiling] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+    async def constraint(self, grammar: str) -> Constraint:
+        """A place of its own at the start of ``grammar``, compiled on the grammars' threads unless kept (or being
+        compiled) already; InvalidRequest for one that does not compile."""
+        with self._lock:
+            entry = self._kept.get(grammar)
+            if entry is None:
+                entry = self._kept[grammar] = _Compiling(
+                    _COMPILES.submit(contextvars.copy_context().run, self._compile, grammar))
+                entry.future.add_done_callback(lambda f: self._settled(grammar, entry))
+                while len(self._kept) > self._entries:
+                    self._kept.popitem(last=False)  # a compile under way goes on for those awaiting it
+            else:
+                self._kept.move_to_end(grammar)
+            entry.waiting += 1
+        compiled = asyncio.wrap_future(entry.future)
+        compiled.add_done_callback(_retrieved)
+        try:  # shielded: one request leaving does not cancel the compile that others await
+            original = await asyncio.shield(compiled)
+        finally:
+            with self._lock:
+                entry.waiting -= 1
+                if not entry.waiting:
+                    entry.future.cancel()  # nobody awaits it: if it has not started, it never does
+        return original.copy()
+
+    def _settled(self, grammar: str, entry: _Compiling) -> None:
+        """A compile done: one that failed or never ran is not kept."""
+        if entry.future.cancelled() or entry.future.exception() is not None:
+            with self._lock:
+                if self._kept.get(grammar) is entry:
+                    del self._kept[grammar]
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """A compile's failure counts as seen where the request that awaited it has left (asyncio logs it otherwise)."""
+    if not future.cancelled():
+        future.exception()
+
+
 def grammar_vocab(tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
     """llguidance's view of a model's vocabulary (its ``LLTokenizer``, about a second to build: the engine keeps
     one). ``vocab_size``: the model's logits, which may be more than the tokenizer's tokens; ``eos_token_ids``
@@ -123,8 +196,8 @@ class Constraint:
         self._ready = False  # _bits hold the next token's mask already (prepare_masks)
 
     def copy(self) -> Constraint:
-        """Another place in the same compiled grammar, where this one is now: the choices of one request each take
-        one rather than compile the grammar again (llguidance's copy shares the compiled grammar)."""
+        """Another place in the same compiled grammar, where this one is now: each request for a grammar the engine
+        has compiled takes one rather than compile it again (llguidance's copy shares the compiled grammar)."""
         other = copy.copy(self)
         other.matcher = self.matcher.deep_copy()
         other._bits = self._bits.copy()

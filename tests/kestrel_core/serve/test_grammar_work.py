@@ -1,6 +1,6 @@
 """Where a request's grammar and prompt are made: a grammar compiled once a request, whatever its choices, on the
-grammars' own threads, and never where its client has gone before its turn; a large conversation rendered on the
-large bodies' threads.
+grammars' own threads, and never where its client has gone before its turn; a grammar compiled once for every
+request that sends it (the engine keeps it); a large conversation rendered on the large bodies' threads.
 
 Not timed: the tests record the calls (their threads, their count) and hold the grammars' threads with work of
 their own until the client has left.
@@ -19,13 +19,14 @@ from typing import Any
 import pytest
 
 from kestrel_core.model import grammar
+from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.grammar import Constraint
 from kestrel_core.serve import app, offload
 from kestrel_core.serve.offload import INLINE_BODY_BYTES
 from kestrel_core.serve.server import KestrelServer
 
 from ..waits import HANG_GUARD_S, wait_until
-from .helpers import http
+from .helpers import http, openai_client
 
 NAME = "tiny"
 HI = [{"role": "user", "content": "Hi"}]
@@ -34,8 +35,10 @@ JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema"
 
 
 @pytest.fixture
-def compiles(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    """Each grammar compiled for the model (its text, the thread that compiled it), as it is compiled."""
+def compiles(engine: Any, async_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Each grammar compiled for the model (its text, the thread that compiled it), as it is compiled, none kept
+    from an earlier test."""
+    async_engine.grammars.clear()
     made: list[tuple[str, str]] = []
     compile_one = engine.constraint
 
@@ -70,6 +73,22 @@ def test_a_completions_grammar_is_compiled_once_for_its_prompts_and_choices(
     assert status == 200, raw
     choices = json.loads(raw)["choices"]
     assert len(choices) == 4 and len(compiles) == 1 and compiles[0][1].startswith("kestrel-grammar"), compiles
+
+
+def test_a_schema_every_request_sends_is_compiled_once(server: KestrelServer, async_engine: AsyncEngine,
+                                                     compiles: list[tuple[str, str]]) -> None:
+    """The official client sends the same JSON Schema twice, then another: two compiles, and each answer keeps to
+    its schema from its start (the kept grammar is never advanced: each request takes a copy)."""
+    client = openai_client(server)
+    other = {"type": "json_schema", "json_schema": {"name": "other", "schema": {
+        "type": "object", "additionalProperties": False, "required": ["b"], "properties": {"b": {"enum": ["z"]}}}}}
+    answers = [client.chat.completions.create(model=NAME, messages=HI, max_tokens=40,  # type: ignore[arg-type]
+                                              temperature=1.0, seed=seed, response_format=fmt)
+               for seed, fmt in [(1, JSON_FORMAT), (2, JSON_FORMAT), (3, other)]]
+    said = [json.loads(a.choices[0].message.content or "") for a in answers]
+    assert [a.choices[0].finish_reason for a in answers] == ["stop"] * 3, said
+    assert said[0]["a"] in ("x", "y") and said[1]["a"] in ("x", "y") and said[2] == {"b": "z"}, said
+    assert len(compiles) == 2 and compiles[0][0] != compiles[1][0] and len(async_engine.grammars) == 2, compiles
 
 
 class HeldGrammarThreads:
