@@ -263,8 +263,8 @@ class Served:
         self.check_request(body.priority)
         try:
             texts = await off_loop(request, body.prompts)
-            token_ids, stops = await asyncio.to_thread(body.prompt_ids, self.engine.tokenizer,
-                                                       self.engine.eos_token_ids)
+            token_ids, stops = await off_loop(
+                request, lambda: body.prompt_ids(self.engine.tokenizer, self.engine.eos_token_ids), inline=False)
         except KestrelError as exc:
             raise from_kestrel_error(exc, param="prompt") from None
         prompts = []
@@ -325,7 +325,7 @@ class Served:
         if is_reranker(self.engine.config):
             raise APIError(400, f"`{self.model_name}` is a reranker: it gives relevance scores of query-document pairs "
                            "(/v1/rerank, /v1/score), not embeddings", param="model")
-        inputs = await self.tokenized(body.inputs, "input", truncate)
+        inputs = await self.tokenized(request, body.inputs, "input", truncate)
 
         def answer(vectors: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
             return embedding_list(vectors, body.encoding_format, self.model_name, prompt_tokens)
@@ -333,10 +333,10 @@ class Served:
         return await generation.embed(self.async_engine, request, inputs, answer, pooling=self.pooling,
                                       dimensions=body.dimensions)
 
-    async def tokenized(self, texts: Callable[[], list[str | list[int]]], param: str, truncate: bool = False,
-                        what: str | None = None) -> list[list[int]]:
+    async def tokenized(self, request: Request, texts: Callable[[], list[str | list[int]]], param: str,
+                        truncate: bool = False, what: str | None = None) -> list[list[int]]:
         """The token ids of ``texts()`` (texts, or token ids as given), made and checked for the embedding job
-        off the event loop (a request may hold thousands): a 400 naming ``param``, its message the text as
+        off the event loop (a request may hold thousands; ``off_loop``): a 400 naming ``param``, its message the text as
         ``what`` (default ``param``). ``truncate``: each keeps a context's worth, a text its first tokens and
         the special tokens the tokenizer adds (the end token a last-token pooling reads), token ids their first."""
         tokenizer, context = self.engine.tokenizer, self.engine.config.max_position
@@ -347,7 +347,7 @@ class Served:
             return [check_input(self.engine, one, what or param, param) for one in ids]
 
         try:
-            return await asyncio.to_thread(tokenize)
+            return await off_loop(request, tokenize, inline=False)
         except KestrelError as exc:
             raise from_kestrel_error(exc, param=param) from None
 

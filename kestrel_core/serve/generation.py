@@ -352,16 +352,16 @@ async def answer_chunks(events: AsyncIterator[bytes]) -> AsyncIterator[dict[str,
 
 async def retold(response: Response, whole: Callable[[dict[str, Any]], dict[str, Any]],
                  events: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[bytes]],
-                 media_type: str = "text/event-stream") -> Response:
+                 media_type: str = "text/event-stream", request: Request | None = None) -> Response:
     """An answer of ``respond`` retold in another API's shape: ``whole`` of a whole answer's body, ``events`` of a
     stream's chunks (the request aborted however the new stream ends); a client that left (499) is answered as
-    it was."""
+    it was. ``request``: json_answer's, where ``whole`` does work that grows with its body."""
     if response.status_code != 200:
         return response
     if isinstance(response, EventStreamResponse):
         return EventStreamResponse(events(answer_chunks(response.body_iterator)),  # type: ignore[arg-type]
                                    response.on_close, media_type, response.cached_tokens)
-    return await json_answer(lambda: whole(json_loads(bytes(response.body))))
+    return await json_answer(lambda: whole(json_loads(bytes(response.body))), request)
 
 
 class EventStreamResponse(StreamingResponse):

@@ -29,7 +29,6 @@ Errors are llama.cpp's ``{"error": {"code", "message", "type"}}``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -357,7 +356,7 @@ def install(app: FastAPI, models: Models) -> None:
             known = ", ".join(t[0] for t in FORMATS)
             raise APIError(501, "Infill is not supported by this model: its vocabulary has none of the "
                            f"fill-in-the-middle tokens kestrel knows ({known})")
-        prompt = await asyncio.to_thread(infill_prompt, served, body)  # off the event loop
+        prompt = await off_loop(request, lambda: infill_prompt(served, body), inline=False)
         sampling, seed = body.sampling(served.engine.sampling_defaults), body.chosen_seed()
         bias = body.bias(served.engine.tokenizer)
         with named_as(REQUEST_NAMES):  # the completions handler samples as it samples its own requests

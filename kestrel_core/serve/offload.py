@@ -5,8 +5,8 @@ Every route takes its JSON body as ``json_body(Model)``: the bytes are read on t
 validated in a worker thread where they are large (``INLINE_BODY_BYTES`` or more; a smaller body costs less than
 a thread's hand-off), with FastAPI's own steps and errors (stdlib JSON, then the model, validated as FastAPI
 validates a body), so a bad body is answered as before. ``off_loop`` runs a route's other work on the body the
-same way (a chat request's prompt rendering and tokenizing included); ``json_answer`` builds and writes an answer
-in a worker thread.
+same way (prompts rendered and tokenized, embeddings' and scores' inputs tokenized, /infill's prompt built);
+``json_answer`` builds and writes an answer in a worker thread.
 
 Large bodies take turns on ``BODY_THREADS`` threads of their own: their work holds the GIL, so more threads would
 not finish it sooner, but would hold more parsed bodies (several times their bytes) at once, take more of the
@@ -193,11 +193,16 @@ def _written(content: Any) -> bytes:
     return "".join(parts).encode("utf-8")
 
 
-async def json_answer(build: Callable[[], Any]) -> Response:
+async def json_answer(build: Callable[[], Any], request: Request | None = None) -> Response:
     """``JSONResponse(build())``, byte for byte, built and written in a worker thread: an answer of any request
     can be megabytes (a logprob for each of thousands of tokens, thousands of embeddings), and the hand-off
-    (~0.06 ms) is small beside the generation or the embedding it answers."""
-    return Response(await asyncio.to_thread(lambda: _written(build())), media_type="application/json")
+    (~0.06 ms) is small beside the generation or the embedding it answers. ``request``: the request whose body
+    ``build`` grows with (Ollama's ``context`` renders its prompt again), built as ``off_loop`` does its work."""
+    def written() -> bytes:
+        return _written(build())
+
+    content = await asyncio.to_thread(written) if request is None else await off_loop(request, written, inline=False)
+    return Response(content, media_type="application/json")
 
 
 def document_bodies(app: FastAPI) -> None:

@@ -21,12 +21,12 @@ covers the prompt and the answer (Hugging Face's and vLLM's repetition penalty),
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
+from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
@@ -75,12 +75,13 @@ class _Answer:
     """One answer's Ollama objects: the model as the request names it (Ollama's answers repeat the request's name)
     and the creation time, and the counts and durations of the last, with ``context`` where ``context`` is given
     (``/api/generate``'s: the token ids of the prompt and of the answer's text, which it is given; called off the
-    event loop)."""
+    event loop, as the request's body's work is: ``off_loop``)."""
 
     def __init__(self, model: str, request: Request, key: str,
                  context: Callable[[str], list[int]] | None = None) -> None:
         self.model = model
         self.key = key  # "message" (chat) or "response" (generate)
+        self.request = request
         self.record = record_of(request)  # its start and its first token's time
         self.context = context
 
@@ -166,7 +167,9 @@ async def _lines(answer: _Answer, chunks: AsyncIterator[dict[str, Any]]) -> Asyn
             yield _line({"error": chunk["error"].get("message", "error")})
             return
         if not chunk.get("choices"):  # the usage: the answer is complete
-            context = None if answer.context is None else await asyncio.to_thread(answer.context, "".join(said))
+            context = None
+            if answer.context is not None:
+                context = await off_loop(answer.request, partial(answer.context, "".join(said)), inline=False)
             yield _line(answer.last(finish, chunk.get("usage") or {}, context, tool_calls=_ollama_calls(calls)))
             return
         choice = chunk["choices"][0]
@@ -187,7 +190,7 @@ def _line(body: dict[str, Any]) -> bytes:
 async def _translate(answer: _Answer, response: Response) -> Response:
     """kestrel's OpenAI chat answer as Ollama's: its stream's chunks as lines, or its one object."""
     return await retold(response, lambda body: _whole(answer, body), lambda chunks: _lines(answer, chunks),
-                        "application/x-ndjson")
+                        "application/x-ndjson", answer.request)
 
 
 def _loaded(answer: _Answer, keep_alive: int | None) -> JSONResponse:
@@ -275,9 +278,11 @@ def install(app: FastAPI, models: Models) -> None:
                 def prompt_ids() -> list[int]:
                     return served.chat_prompt(openai, prefix=context)[1]
             else:  # Ollama's runner reads the context's text before the prompt
-                prompt = tokenizer.decode(context, skip_special_tokens=False) + body.prompt if context else body.prompt
+                def prompt() -> str:
+                    return (tokenizer.decode(context, skip_special_tokens=False) if context else "") + body.prompt
+
                 completion = await off_loop(request, lambda: validated(CompletionRequest, {
-                    "prompt": prompt, "suffix": suffix, "logprobs": body.top_logprobs if body.logprobs else None,
+                    "prompt": prompt(), "suffix": suffix, "logprobs": body.top_logprobs if body.logprobs else None,
                     "structured_outputs": _structured(body.response_format()), **sampling}))
                 response = await served.complete(completion, request, chat_shaped=True)
 

@@ -10,7 +10,6 @@ model that generates is refused, since its last hidden state is neither.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
@@ -26,7 +25,7 @@ from kestrel_core.model.rerank import RerankPrompt, is_reranker, relevance
 from kestrel_core.serve import generation
 from kestrel_core.serve.bodies import RequestBody
 from kestrel_core.serve.errors import APIError, from_kestrel_error
-from kestrel_core.serve.offload import json_body
+from kestrel_core.serve.offload import json_body, off_loop
 from kestrel_core.serve.protocol import MAX_INPUTS
 from kestrel_core.serve.responses import new_id
 
@@ -109,8 +108,8 @@ async def _scores(served: Served, request: Request, left: list[str], right: list
         return await _cross_scores(served, request, left, right, names, shape)
     firsts = dict.fromkeys(left)  # each text once: "one against many" embeds the one once
     seconds = [text for text in dict.fromkeys(right) if text not in firsts]
-    ids = (await served.tokenized(lambda: list(firsts), names[0])
-           + await served.tokenized(lambda: seconds, names[1], what=names[2]))
+    ids = (await served.tokenized(request, lambda: list(firsts), names[0])
+           + await served.tokenized(request, lambda: seconds, names[1], what=names[2]))
     at = {text: i for i, text in enumerate([*firsts, *seconds])}
 
     def answer(vectors: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
@@ -134,7 +133,7 @@ async def _cross_scores(served: Served, request: Request, left: list[str], right
                 for pair, i in first.items()]
 
     try:
-        ids = await asyncio.to_thread(tokenize)
+        ids = await off_loop(request, tokenize, inline=False)
     except KestrelError as exc:
         raise from_kestrel_error(exc, param=names[1]) from None
     at = {pair: k for k, pair in enumerate(first)}
