@@ -34,6 +34,7 @@ from kestrel_core.registry import Registry
 from kestrel_core.selftest import JITTER_FACTOR, JITTER_FLOOR, JitterOffload
 from kestrel_cuda.forward import DeviceForward
 from kestrel_cuda.ops_numpy import NumpyOps
+from kestrel_cuda.plan import KV_BLOCK, KV_DTYPE
 
 FACTOR, FLOOR = JITTER_FACTOR, JITTER_FLOOR  # the selftest's band: FACTOR times the nudge's effect, at least FLOOR
 
@@ -310,6 +311,21 @@ def cuda_device_count() -> int:
         return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:
         return 0
+
+
+def paged_rows(rng: np.random.Generator, hd: int, heads: int = 8, kv: int = 2) -> tuple[np.ndarray, ...]:
+    """A batch of rows for the attention kernels over the paged pool: q [rows, heads * hd], the keys and values
+    [kv, (40 + 1) * KV_BLOCK, hd] (KV_DTYPE), each row's (position, table) [rows, 2] and the tables [rows + 1, 8]
+    of scattered pages (the rows end inside and at the end of a page), and the softmax scale."""
+    blocks, width = 40, 8
+    positions = [0, 31, 32, 100, 255, 17]
+    tables = np.stack([rng.permutation(blocks)[:width] for _ in positions]).astype(np.int32)
+    tables = np.concatenate([tables, np.zeros((1, width), np.int32)])
+    rows = np.array([[p, i] for i, p in enumerate(positions)], np.int32)
+    kc = rng.standard_normal((kv, (blocks + 1) * KV_BLOCK, hd)).astype(KV_DTYPE)
+    vc = rng.standard_normal(kc.shape).astype(KV_DTYPE)
+    q = (3 * rng.standard_normal((len(positions), heads * hd))).astype(np.float32)
+    return q, kc, vc, rows, tables, float(np.float32(hd ** -0.5))
 
 
 def random_tokens(cfg: ModelConfig, n: int, seed: int = 1) -> np.ndarray:

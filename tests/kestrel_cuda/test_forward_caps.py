@@ -21,7 +21,7 @@ from kestrel_core.model.presets import synthetic_model  # noqa: E402
 from kestrel_cuda.forward import DeviceForward  # noqa: E402
 from kestrel_cuda.ops_cupy import CupyOps  # noqa: E402
 from kestrel_cuda.ops_numpy import NumpyOps  # noqa: E402
-from kestrel_cuda.plan import FINISH_COLS, KV_BLOCK, KV_DTYPE, TOKEN_RING, attn_part_size  # noqa: E402
+from kestrel_cuda.plan import FINISH_COLS, KV_DTYPE, TOKEN_RING, attn_part_size  # noqa: E402
 
 from .forward_check import (  # noqa: E402
     FIXTURES,
@@ -29,6 +29,7 @@ from .forward_check import (  # noqa: E402
     _check,
     cuda_device_count,
     device_logits,
+    paged_rows,
     random_tokens,
     stepwise_greedy,
 )
@@ -72,15 +73,8 @@ def test_attn_rows_caps_the_scores_as_the_mirror(hd, window, stream, gemm) -> No
     them split over positions): only the positions a row sees are capped (a masked one stays out of the
     softmax), the mirror's output within the tensor-core path's rounding."""
     rng = np.random.default_rng([hd, window])
-    heads, kv, blocks, width = 8, 2, 40, 8
-    positions = [0, 31, 32, 100, 255, 17]
-    tables = np.stack([rng.permutation(blocks)[:width] for _ in positions]).astype(np.int32)
-    tables = np.concatenate([tables, np.zeros((1, width), np.int32)])
-    rows = np.array([[p, i] for i, p in enumerate(positions)], np.int32)
-    kc = rng.standard_normal((kv, (blocks + 1) * KV_BLOCK, hd)).astype(KV_DTYPE)
-    vc = rng.standard_normal(kc.shape).astype(KV_DTYPE)
-    q = (3 * rng.standard_normal((len(positions), heads * hd))).astype(np.float32)
-    scale = float(np.float32(hd ** -0.5))
+    heads = 8
+    q, kc, vc, rows, tables, scale = paged_rows(rng, hd, heads)
     want, loose = np.zeros_like(q), np.zeros_like(q)
     NumpyOps().attention(q, kc, vc, heads, hd, scale, None, want, rows, tables, window=window, softcap=CAP)
     NumpyOps().attention(q, kc, vc, heads, hd, scale, None, loose, rows, tables, window=window)

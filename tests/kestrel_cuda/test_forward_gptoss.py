@@ -20,9 +20,9 @@ from kestrel_core.model.loader import load_model  # noqa: E402
 from kestrel_cuda.forward import DeviceForward  # noqa: E402
 from kestrel_cuda.ops_cupy import CupyOps  # noqa: E402
 from kestrel_cuda.ops_numpy import NumpyOps  # noqa: E402
-from kestrel_cuda.plan import KV_BLOCK, KV_DTYPE, attn_part_size  # noqa: E402
+from kestrel_cuda.plan import KV_DTYPE, attn_part_size  # noqa: E402
 
-from .forward_check import FIXTURES, cuda_device_count, device_logits, random_tokens, stepwise_greedy  # noqa: E402
+from .forward_check import FIXTURES, cuda_device_count, device_logits, paged_rows, random_tokens, stepwise_greedy  # noqa: E402
 from .test_forward import _check  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")]
@@ -85,15 +85,8 @@ def test_attn_rows_takes_the_sinks_as_the_mirror(hd, window, splits, stream, gem
     block a row and KV head or split over positions (the sink counted once, in split 0; a split may see no
     position): the mirror's softmax with each head's sink within the tensor-core path's rounding."""
     rng = np.random.default_rng([hd, window, splits])
-    heads, kv, blocks, width = 8, 2, 40, 8
-    positions = [0, 31, 32, 100, 255, 17]
-    tables = np.stack([rng.permutation(blocks)[:width] for _ in positions]).astype(np.int32)
-    tables = np.concatenate([tables, np.zeros((1, width), np.int32)])
-    rows = np.array([[p, i] for i, p in enumerate(positions)], np.int32)
-    kc = rng.standard_normal((kv, (blocks + 1) * KV_BLOCK, hd)).astype(KV_DTYPE)
-    vc = rng.standard_normal(kc.shape).astype(KV_DTYPE)
-    q = (3 * rng.standard_normal((len(positions), heads * hd))).astype(np.float32)
-    scale = float(np.float32(hd ** -0.5))
+    heads = 8
+    q, kc, vc, rows, tables, scale = paged_rows(rng, hd, heads)
     sinks = _sinks(heads, rng)
     want, loose = np.zeros_like(q), np.zeros_like(q)
     NumpyOps().attention(q, kc, vc, heads, hd, scale, None, want, rows, tables, window=window, sinks=sinks)
