@@ -34,7 +34,7 @@ from kestrel_core.model.kv_pool import KVPool, SeqCache
 from kestrel_core.model.rerank import gives_no_text
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.scoring import check_top
-from kestrel_core.model.step import Step
+from kestrel_core.model.step import Step, step_tokens, tokens_behind, work_entry
 from kestrel_core.model.validate import is_int, is_token_ids
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Backend, Registry
@@ -73,6 +73,7 @@ class SeqState:
     tokens: list[int] = field(default_factory=list)  # every token run so far, position = index
     device_len: int = 0  # positions the device's own KV cache holds
     shared: int = 0  # positions of an attached prefix whose keys and values are in the backend's pool
+    owner: object = field(default=None, repr=False, compare=False)  # its engine's mark (Engine.own)
 
 
 FED = -1  # the placeholder token of a fed BatchEntry
@@ -125,6 +126,7 @@ class Engine:
         self.sampling_defaults: dict[str, float] = dict(model.config.sampling or {})
         self.last = RunStats()
         self._seq_ids = itertools.count(1)  # one next() each: two threads' sequences never share an id
+        self._mark = object()  # on each SeqState it makes: another engine's seq_ids and KV blocks are not its own
         self.preload_s = 0.0
         self.load_s = 0.0  # reading/building the model, set by load()
         self._vocabulary: Any = None  # llguidance's view of the vocabulary, built when first asked for
@@ -237,8 +239,10 @@ class Engine:
         """A new sequence whose first ``prompt_len`` tokens are its prompt (float32 in "mixed" mode). With ``tokens``
         (the prompt, and those generated before a preemption: ``resumed``), the longest cached prefix of the prompt
         short of its last token is attached (a prefix-cache hit unless ``resumed``): ``seq.tokens`` starts with it."""
-        seq = SeqState(next(self._seq_ids), self.pool.new_sequence())
-        seq.cache.prompt_len = prompt_len
+        if not is_int(prompt_len) or prompt_len < 0:
+            raise KestrelError(f"new_sequence's prompt_len must be a non-negative integer, got {safe_repr(prompt_len)}")
+        seq = SeqState(next(self._seq_ids), self.pool.new_sequence(), owner=self._mark)
+        seq.cache.prompt_len = int(prompt_len)
         if self.prefix_cache and tokens:
             attached = self.pool.attach_prefix(seq.cache, tokens, prompt_len - 1, resumed)
             seq.tokens = [int(t) for t in tokens[:attached]]
@@ -251,6 +255,7 @@ class Engine:
     def rewind(self, seq: SeqState, length: int) -> None:
         """Forget a sequence's positions from ``length`` on (draft tokens the model did not confirm), where
         ``rewinds``: the backend that runs the steps computes them again from its next entry's start."""
+        self.own(seq, "rewind")
         if not is_int(length) or not 0 <= length <= len(seq.tokens):
             raise KestrelError(f"a rewind's length must be an integer in [0, {len(seq.tokens)}] (the sequence's "
                                f"positions), got {safe_repr(length)}")
@@ -275,8 +280,15 @@ class Engine:
     @driving
     def release(self, seq: SeqState) -> None:
         """Forget a sequence: its device state and its host KV blocks."""
+        self.own(seq, "release")
         self.offload.release_sequence(seq.seq_id)
         seq.cache.release()
+
+    def own(self, seq: object, what: str) -> None:
+        """A KestrelError unless ``seq`` is a sequence this engine's ``new_sequence`` made."""
+        if not isinstance(seq, SeqState) or seq.owner is not self._mark:
+            whose = "another engine's sequence" if isinstance(seq, SeqState) else type(seq).__name__
+            raise KestrelError(f"{what} takes a sequence of this engine's new_sequence(), got {whose}")
 
     def run_batch(self, work: Sequence[tuple[SeqState, Sequence[int], int]],
                   argmax_only: Sequence[bool] = ()) -> list[np.ndarray]:
@@ -308,7 +320,9 @@ class Engine:
         flags = list(argmax_only) or [False] * len(work)
         if len(flags) != len(work):
             raise KestrelError(f"argmax_only has {len(flags)} flags for {len(work)} sequences")
-        for seq, new, rows in work:
+        for entry in work:
+            seq, new, rows = work_entry(entry)
+            self.own(seq, "a step")
             end_before, added, feedable = ahead.get(seq.seq_id, (seq.device_len, 0, False))
             fed.append(new is None)
             if new is None:
@@ -329,7 +343,7 @@ class Engine:
         for (seq, new, _), (base, _) in zip(runs, bases):  # the scheduler reserved already; a direct caller here
             pool.reserve(seq.cache, base + len(new))
         on_device, bs = self.prefix_cache and self.device_prefixes, pool.block_size
-        entries = [BatchEntry(seq.seq_id, new.copy() if start == base else _behind(seq.tokens, start, new), start,
+        entries = [BatchEntry(seq.seq_id, new.copy() if start == base else tokens_behind(seq.tokens, start, new), start,
                               rows, tuple(seq.cache.blocks), bs, pool.num_blocks, flag, is_fed, seq.shared,
                               # the prompt's whole blocks once the step is done, in a step of the prompt
                               min(seq.cache.prompt_len, base + len(new)) // bs * bs
@@ -372,7 +386,7 @@ class Engine:
             batch = []
             for i in host:
                 seq, new, rows = runs[i]
-                batch.append((seq.cache, _behind(seq.tokens, seq.cache.length, new), rows))
+                batch.append((seq.cache, tokens_behind(seq.tokens, seq.cache.length, new), rows))
             for i, out in zip(host, self.decoder.forward_batch(batch)):
                 if not all_finite(out):  # never an empty answer
                     raise NonFiniteLogits("the model produced non-finite logits (NaN or inf) on the CPU path: its "
@@ -548,26 +562,6 @@ class Engine:
             "prefix_cache": self.prefix_cache, "prefix_hit_tokens": self.pool.prefix_hit_tokens,
             "prefix_cached_blocks": self.pool.cached_blocks, "prefix_cached_states": self.pool.cached_states,
         }
-
-
-def step_tokens(new: Any, vocab: int) -> np.ndarray:
-    """A step's new tokens as int64 [T]: token ids (``is_token_ids``; a float would be cut to an integer, a bool
-    taken for 0 or 1) in the vocabulary, which a backend's whole step is not asked to check."""
-    if not is_token_ids(new):
-        raise KestrelError(f"a step's new tokens must be a sequence of token ids (integers), got {safe_repr(new)}")
-    ids = np.asarray(new, dtype=np.int64).reshape(-1)
-    outside = ids[(ids < 0) | (ids >= vocab)]
-    if len(outside):
-        raise KestrelError(f"token id {int(outside[0])} is outside the vocabulary [0, {vocab})")
-    return ids
-
-
-def _behind(tokens: list[int], start: int, new: np.ndarray) -> np.ndarray:
-    """tokens[start:] (positions the runner has not seen) then ``new``: a fresh int64 array either way, so
-    a backend that writes into its input cannot change the sequence's tokens."""
-    if start >= len(tokens):
-        return new.copy()
-    return np.concatenate([np.asarray(tokens[start:], np.int64), new])
 
 
 def resolve_activations(activations: str, backend: Backend) -> str:

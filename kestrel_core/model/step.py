@@ -1,4 +1,5 @@
-"""A batched step started on an engine (``Engine.start_batch``), whose outputs are taken once (``Step.result``).
+"""A batched step started on an engine (``Engine.start_batch``), whose outputs are taken once (``Step.result``),
+and the checks of what a step is given (``work_entry``, ``step_tokens``).
 
 Until they are, the step holds its engine for the thread that started it (kestrel_core.model.driver): a step the
 device still runs reads and writes what another thread's step would change.
@@ -6,14 +7,15 @@ device still runs reads and writes what another thread's step would change.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kestrel_core.batch import BatchEntry, greedy_token
 from kestrel_core.dispatch import Deferred
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, safe_repr
 from kestrel_core.model.driver import Hold
+from kestrel_core.model.validate import is_token_ids
 
 if TYPE_CHECKING:
     from kestrel_core.model.engine import Engine, SeqState
@@ -75,3 +77,34 @@ class Step:
         self.on_device = batched is not None
         self._after = None
         return self._outs
+
+
+def work_entry(entry: Any) -> tuple[Any, Any, Any]:
+    """A step's work entry as its (sequence, new tokens, logit rows), each checked by the engine."""
+    if not isinstance(entry, (tuple, list)) or len(entry) != 3:
+        got = f"a {type(entry).__name__} of {len(entry)}" if isinstance(entry, (tuple, list)) else safe_repr(entry)
+        raise KestrelError(f"a step's work entry must be a (sequence, new tokens, logit rows) triple, got {got}")
+    return entry[0], entry[1], entry[2]
+
+
+def step_tokens(new: Any, vocab: int) -> np.ndarray:
+    """A step's new tokens as int64 [T]: token ids (``is_token_ids``; a float would be cut to an integer, a bool
+    taken for 0 or 1) in the vocabulary, and at least one (the host refuses none), which a backend's whole step is
+    not asked to check."""
+    if not is_token_ids(new):
+        raise KestrelError(f"a step's new tokens must be a sequence of token ids (integers), got {safe_repr(new)}")
+    ids = np.asarray(new, dtype=np.int64).reshape(-1)
+    if not len(ids):
+        raise KestrelError("a step's new tokens are empty: each sequence in a step runs at least one token")
+    outside = ids[(ids < 0) | (ids >= vocab)]
+    if len(outside):
+        raise KestrelError(f"token id {int(outside[0])} is outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def tokens_behind(tokens: list[int], start: int, new: np.ndarray) -> np.ndarray:
+    """tokens[start:] (positions the runner has not seen) then ``new``: a fresh int64 array either way, so
+    a backend that writes into its input cannot change the sequence's tokens."""
+    if start >= len(tokens):
+        return new.copy()
+    return np.concatenate([np.asarray(tokens[start:], np.int64), new])

@@ -457,3 +457,52 @@ def test_quant_is_checked_for_every_kind_of_model(model) -> None:
             load_preset("smollm2-135m", backend="cpu", quant=quant, num_layers=1)
     with pytest.raises(KestrelError, match="rerank must be true or false, got 'no'"):
         kestrel_core.load(model, backend="cpu", rerank="no")
+
+
+def test_a_sequences_prompt_len_is_a_non_negative_integer(model) -> None:
+    """``new_sequence(prompt_len=1.5)``, a negative one or a bool were taken as they were (the prompt's float32
+    rows and the prefix cache read it)."""
+    with kestrel_core.load(model, backend="cpu") as engine:
+        for prompt_len in (1.5, -1, True, "3", None):
+            with pytest.raises(KestrelError, match=r"new_sequence's prompt_len must be a non-negative integer, got "):
+                engine.new_sequence(prompt_len=prompt_len)
+        assert engine.new_sequence(prompt_len=np.int64(3)).cache.prompt_len == 3
+
+
+def test_a_step_runs_at_least_one_token_of_each_sequence(model, tmp_path, monkeypatch) -> None:
+    """An empty token list failed on the host ("no tokens to run") but was handed to a device's whole step."""
+    _forward_backend(tmp_path, monkeypatch)
+    for backend in ("cpu", "fwd"):
+        with kestrel_core.load(model, backend=backend, activations="q8") as engine:
+            for empty in ([], (), np.array([], np.int64)):
+                seq = engine.new_sequence()
+                with pytest.raises(KestrelError, match="a step's new tokens are empty: each sequence in a step runs"):
+                    engine.run_batch([(seq, empty, 0)])
+                assert seq.tokens == [] and seq.cache.length == 0 and seq.device_len == 0
+            if backend == "fwd":
+                assert engine.backend.plugin.CALLS == []
+
+
+def test_a_step_takes_triples_of_this_engines_sequences(model) -> None:
+    """A work entry of two or four items was a raw unpacking ValueError, and another engine's sequence (its own
+    seq_id and KV blocks) ran here, as did its rewind and release."""
+    with kestrel_core.load(model, backend="cpu") as engine, kestrel_core.load(model, backend="cpu") as other:
+        seq = engine.new_sequence(3)  # a prompt's float32 rows, as logits' are
+        for entry in ((seq, PROMPT[:3]), [seq, PROMPT[:3], 1, 0], seq, None):
+            with pytest.raises(KestrelError, match=r"a step's work entry must be a \(sequence, new tokens, logit "):
+                engine.run_batch([entry])
+        stranger = other.new_sequence()
+        other.run_batch([(stranger, PROMPT[:3], 1)])
+        for use, what in ((lambda: engine.run_batch([(seq, PROMPT[:3], 1), (stranger, [PROMPT[3]], 1)]), "a step"),
+                          (lambda: engine.rewind(stranger, 1), "rewind"),
+                          (lambda: engine.release(stranger), "release")):
+            with pytest.raises(KestrelError, match=f"^{what} takes a sequence of this engine's new_sequence\\(\\), "
+                                                   "got another engine's sequence$"):
+                use()
+        assert seq.tokens == [] and stranger.tokens == PROMPT[:3] and stranger.cache.length == 3
+        with pytest.raises(KestrelError, match=r"a step takes a sequence of this engine's new_sequence\(\), got int"):
+            engine.run_batch([(3, PROMPT[:3], 1)])
+        other.rewind(stranger, 1)
+        other.release(stranger)
+        np.testing.assert_array_equal(engine.run_batch([(seq, PROMPT[:3], 1)])[0], other.logits(PROMPT[:3])[-1:])
+
