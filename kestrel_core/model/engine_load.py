@@ -4,6 +4,7 @@ that cannot bind fails fast, before any model is read), then resolve and load th
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import normalize_rope_scaling
 from kestrel_core.model.engine import Engine
-from kestrel_core.model.quantize import parse_quant
+from kestrel_core.model.quantize import holds_quant, model_quant, parse_quant
 from kestrel_core.model.rerank import as_reranker
 from kestrel_core.model.validate import ValidationError, check_bool, is_int
 from kestrel_core.model.weights import Model
@@ -21,6 +22,8 @@ from kestrel_core.registry import Registry
 
 if TYPE_CHECKING:
     from kestrel_core.model.lora import LoraPaths
+
+log = logging.getLogger("kestrel")
 
 
 def _resolve_model(model: Any, quant: str | None, lora: LoraPaths | None = None,
@@ -36,9 +39,12 @@ def _resolve_model(model: Any, quant: str | None, lora: LoraPaths | None = None,
     if lora is not None and not (model is None or isinstance(model, str)):
         raise KestrelError("a LoRA adapter merges into a checkpoint as it loads: give the model's path")
     if isinstance(model, Model):
+        _warn_kept_quant(model, quant, "in-memory model")
         return model, ByteTokenizer(model.config.vocab_size), "in-memory model"
     if hasattr(model, "model") and hasattr(model, "tokenizer"):
-        return model.model, model.tokenizer, str(getattr(model, "source", "in-memory model"))
+        source = str(getattr(model, "source", "in-memory model"))
+        _warn_kept_quant(model.model, quant, source)
+        return model.model, model.tokenizer, source
     if model is None or isinstance(model, str):
         try:
             from kestrel_core.model.loader import load_model
@@ -47,6 +53,14 @@ def _resolve_model(model: Any, quant: str | None, lora: LoraPaths | None = None,
         loaded = load_model(model, quant=quant, lora=lora, lora_scale=lora_scale)
         return loaded.model, loaded.tokenizer, str(loaded.source)
     raise KestrelError(f"cannot load a model from a {type(model).__name__}")
+
+
+def _warn_kept_quant(model: Any, quant: str | None, source: str) -> None:
+    """A warning where ``quant`` names another mode than a model in memory holds: it is used as it is (as an
+    artifact is, kestrel_core.model.loader)."""
+    if quant is not None and isinstance(model, Model) and not holds_quant(model, parse_quant(quant)):
+        log.warning("%s holds %s weights; using them (a model in memory is not re-quantized, quant %s ignored)",
+                    source, model_quant(model), quant)
 
 
 def with_context(model: Model, max_model_len: int | None = None,
@@ -112,7 +126,8 @@ def load(model: str | Model | None = None, backend: str = "auto", quant: str | N
          kv_cache_type: str = "f16", rerank: bool = False) -> Engine:
     """An engine for ``model`` (a path, None for the default model, or a Model) on ``backend`` (``auto``:
     the best bound gpu/npu accelerator, else cpu); the model is preloaded onto the backend. ``quant``:
-    q8 (None: the default; an artifact or a Model keeps its own), q4, q8-g256 or q4-g256. ``kv_cache_mb``: the host KV
+    q8 (None: the default; an artifact or a Model keeps its own, with a warning where ``quant`` names another), q4,
+    q8-g256 or q4-g256. ``kv_cache_mb``: the host KV
     cache's budget (default: 2 GiB, at least one sequence at the full context); ``kv_cache_type``: what it holds,
     f16 (float16 keys and values) or q8 (int8, a scale every 32 dims: about half the bytes). ``activations``: what the
     projections' inputs are, q8, f32, mixed (the prompt at f32, generated tokens at q8) or auto (see

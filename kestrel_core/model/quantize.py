@@ -119,6 +119,13 @@ def model_quant(model: Model) -> str:
     return f"q{bits}" + ("-g256" if g256 else "")
 
 
+def holds_quant(model: Model, mode: QuantMode) -> bool:
+    """Whether ``model``'s projections are what quantizing to ``mode`` gives: its bits, and G=256 blocks where the
+    mode has them and a tensor's K allows (a G=256 mode gives a model without such a tensor its G=32 blocks)."""
+    return all(w.bits == mode.bits and (w.group_size == 256) == (mode.group_for(w.codes.shape[1]) == 256)
+               for _, w in model.weights()[:-1])  # all but lm_head
+
+
 class TensorSource(Protocol):
     """A checkpoint whose float tensors are read lazily, one by one, under kestrel names."""
 

@@ -506,3 +506,18 @@ def test_a_step_takes_triples_of_this_engines_sequences(model) -> None:
         other.release(stranger)
         np.testing.assert_array_equal(engine.run_batch([(seq, PROMPT[:3], 1)])[0], other.logits(PROMPT[:3])[-1:])
 
+
+def test_a_quant_a_model_in_memory_does_not_hold_is_a_warning(model, tiny_config, caplog) -> None:
+    """``load(model, quant="q4")`` on a q8 Model used its q8 weights without a word (an artifact's load warns)."""
+    for quant, warned in (("q4", "in-memory model holds q8 weights; using them (a model in memory is not "
+                                 "re-quantized, quant q4 ignored)"), ("Q8", None), ("q8-g256", None)):
+        caplog.clear()  # no tensor of the tiny model is 256 wide: q8-g256 gives it q8's blocks
+        with caplog.at_level("WARNING", logger="kestrel"), kestrel_core.load(model, backend="cpu", quant=quant):
+            pass
+        assert [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()] == ([warned] if warned else [])
+    wide = synthetic_model(tiny_config("llama", hidden_size=256, intermediate_size=256, head_dim=64), "q8-g256")
+    for quant, warned in (("q8", True), ("q8-g256", False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kestrel"), kestrel_core.load(wide, backend="cpu", quant=quant):
+            pass
+        assert ("holds q8-g256 weights" in caplog.text) == warned
