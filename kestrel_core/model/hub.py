@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kestrel_core.env import env_int
-from kestrel_core.errors import KestrelError, os_error, safe_text
+from kestrel_core.errors import KestrelError, os_error, os_reason, safe_text
 from kestrel_core.model.hub_files import ANSWER_LIMIT, READ_LIMIT, CommitFiles, limit_hint, timeout_of
 
 log = logging.getLogger(__name__)
@@ -239,22 +239,22 @@ class CachedModel:
 def cached_models(cache_dir: str | None = None) -> list[CachedModel]:
     """Every model of the Hugging Face cache (``cache_dir``, None: ``HF_HUB_CACHE``) kestrel can load, by name:
     a safetensors snapshot, and each GGUF file of one; what it cannot load (datasets, pickle checkpoints) is
-    left out."""
+    left out, and so is a model whose folder cannot be read, which a warning names."""
     _check_limits()
     from huggingface_hub import constants, scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
     where = cache_dir or constants.HF_HUB_CACHE
     try:
-        info = scan_cache_dir(cache_dir)
+        repos = scan_cache_dir(cache_dir).repos
     except CacheNotFound:  # nothing downloaded yet
         return []
-    except OSError as exc:  # a directory it may not read: not an empty cache
-        raise os_error(exc, "cannot read the Hugging Face cache", exc.filename or where) from None
+    except OSError:  # scan_cache_dir gives up on the first folder it may not read (a warning only for a corrupt one)
+        repos = frozenset(_scan_folders(where))
     except ValueError:  # huggingface_hub's answer to a file in the directory's place
         raise KestrelError(f"cannot read the Hugging Face cache {where}: not a directory") from None
     found = []
-    for repo in info.repos:
+    for repo in repos:
         if repo.repo_type != "model":
             continue
         for rev in repo.revisions:
@@ -263,6 +263,32 @@ def cached_models(cache_dir: str | None = None) -> list[CachedModel]:
                 base = repo.repo_id + ("" if ref == "main" else f"@{ref}")
                 found += _loadable(HubSpec(repo.repo_id), base, rev.snapshot_path, files)
     return sorted(found, key=lambda m: m.name.lower())
+
+
+def _scan_folders(where: str) -> list[Any]:
+    """The CachedRepoInfo of each model folder of the cache ``where`` that can be read, scanned one at a time as
+    ``scan_cache_dir`` scans them; one warning names those that cannot be. An error where ``where`` itself cannot
+    be read."""
+    from huggingface_hub.utils import CorruptedCacheException
+    from huggingface_hub.utils._cache_manager import _scan_cached_repo  # scan_cache_dir's scan of one folder
+
+    root = Path(where).expanduser().resolve()  # as scan_cache_dir gives its paths
+    try:
+        folders = sorted(p for p in root.iterdir() if p.name.startswith("models--"))
+    except OSError as exc:
+        raise os_error(exc, "cannot read the Hugging Face cache", where) from None
+    repos, unreadable = [], []
+    for folder in folders:
+        try:
+            repos.append(_scan_cached_repo(folder))
+        except CorruptedCacheException:  # not a download kestrel can load, as scan_cache_dir leaves it out
+            continue
+        except OSError as exc:
+            unreadable.append(f"{folder.name} ({os_reason(exc)})")
+    if unreadable:
+        log.warning("cannot read %s in the Hugging Face cache %s: %s left out", ", ".join(unreadable), where,
+                    "its models are" if len(unreadable) == 1 else "their models are")
+    return repos
 
 
 def _loadable(spec: HubSpec, base: str, snap: Path, files: dict[str, Any]) -> list[CachedModel]:

@@ -466,6 +466,29 @@ def test_a_cache_that_cannot_be_read_is_an_error_naming_it_not_an_empty_one(hub:
     assert [m.name for m in cached_models(str(tmp_path / "hf"))] == ["org/tiny"]
 
 
+def test_a_model_folder_that_cannot_be_read_is_left_out_with_a_warning(hub: FakeHub, tmp_path: Path,
+                                                                     unprivileged: list[str]) -> None:
+    """One model's folder this user may not read (huggingface_hub's scan_cache_dir stops at it): `kestrel list`
+    lists the others, exit 0, and one warning line names the folder."""
+    h = Hub(hub.url, str(tmp_path / "hf"))
+    h.fetch(HubSpec("org/tiny"))
+    h.fetch(HubSpec("org/tiny-GGUF"))
+    locked = tmp_path / "hf" / "models--org--tiny-GGUF"
+    locked.chmod(0)
+    try:
+        done = subprocess.run([*unprivileged, sys.executable, "-m", "kestrel_core.cli", "list", "--json"],
+                              capture_output=True, text=True, timeout=HANG_GUARD_S,
+                              env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf"),
+                                   "KESTREL_HOME": str(tmp_path / "k")})
+    finally:
+        locked.chmod(0o755)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [json.loads(line)["name"] for line in done.stdout.splitlines()] == ["org/tiny"]
+    assert done.stderr.strip() == (f"WARNING  cannot read models--org--tiny-GGUF (permission denied) in the Hugging "
+                                   f"Face cache {tmp_path / 'hf'}: its models are left out")
+    assert [m.name for m in cached_models(str(tmp_path / "hf"))] == ["org/tiny", "org/tiny-GGUF:Q8_0"]
+
+
 def test_a_sharded_snapshot_without_all_its_shards_is_neither_listed_nor_loaded(hub: FakeHub, tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A download that failed after the index and the first shard (the Hub down for one file, asked again as
