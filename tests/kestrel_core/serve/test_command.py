@@ -43,6 +43,16 @@ BAD_VALUES = [
 ]
 
 
+
+@pytest.fixture(autouse=True)
+def never_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``main(["serve", ...])`` here that got as far as serving would serve until a signal: a bad value the
+    command took fails the test at once instead (the tests that serve replace ``server.serve`` itself)."""
+    def serving(*_: object) -> None:
+        raise AssertionError("kestrel serve took its options and went on to serve")
+
+    monkeypatch.setattr("kestrel_core.serve.server.warm_up", serving)
+
 @pytest.mark.parametrize(("argv", "needle"), [
     *BAD_VALUES,
     (["--host", "no such host"], "cannot listen on no such host:0"),
